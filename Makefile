@@ -1,0 +1,35 @@
+# paratrain: the two quick-start commands (`make train`, `make test`) and their helpers.
+# Each target installs what it needs first: the CPU build of PyTorch where torch is
+# missing (a plain `torch` requirement would pull several GB of CUDA packages), then
+# paratrain itself in editable mode with its test tools.
+
+PYTHON ?= python3
+DEVICES ?=
+STEPS ?= 400
+DATA_DIR ?= $(wildcard ../shared/data)
+DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
+DEVICES_FLAG := $(if $(DEVICES),--devices $(DEVICES),)
+
+.PHONY: install train test lint bench clean
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	@$(PYTHON) -c "import paratrain, pytest, ruff" 2>/dev/null || \
+		$(PYTHON) -m pip install -q -e ".[dev]"
+
+train: install
+	$(PYTHON) -m paratrain train --model gpt --dataset shakespeare --strategy dp \
+		--steps $(STEPS) --global-batch 32 $(DEVICES_FLAG) $(DATA_FLAG)
+
+test: install
+	$(PYTHON) -m pytest -q
+
+lint: install
+	$(PYTHON) -m ruff check src tests benchmarks
+	$(PYTHON) -m ruff format --check src tests benchmarks
+
+bench: install
+	$(PYTHON) benchmarks/bench_dp.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache build src/*.egg-info

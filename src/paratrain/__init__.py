@@ -1,0 +1,21 @@
+"""paratrain: train one PyTorch model on several devices, under one small API.
+
+engine = paratrain.setup(model, optimizer=..., loss_fn=..., strategy="dp")
+results = paratrain.launch(worker, devices=4)
+"""
+
+from paratrain.api import setup
+from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
+from paratrain.runtime import WorkerError, launch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchSplitError",
+    "Engine",
+    "StepStats",
+    "WorkerError",
+    "launch",
+    "setup",
+    "strategy_names",
+]

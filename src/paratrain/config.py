@@ -1,0 +1,175 @@
+"""Run configuration: one typed dataclass, loadable from TOML, overridable per key.
+
+Why a dataclass and not free-form dicts: a misspelt key in a config file must fail loudly
+before any worker starts ("unknown key 'lrr'"), and the command line, the TOML file and
+the Python API must all mean the same thing by each name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that cannot be used; the message says what to change."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``paratrain train`` needs; each field is also a ``--flag`` and a TOML key."""
+
+    model: str = field(default="gpt", metadata={"help": "mlp, lenet or gpt"})
+    dataset: str = field(
+        default="shakespeare",
+        metadata={"help": "shakespeare, fashion_mnist, synthetic, synthetic_images, ..."},
+    )
+    strategy: str = field(default="dp", metadata={"help": "single or dp"})
+    devices: int | None = field(
+        default=None, metadata={"help": "workers to start (default: GPUs, else min(4, cores))"}
+    )
+    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    global_batch: int = field(default=32, metadata={"help": "samples per optimizer step"})
+    gradient_accumulation: int = field(default=1, metadata={"help": "micro-steps per step"})
+    optimizer: str = field(default="adamw", metadata={"help": "sgd, adam or adamw"})
+    lr: float = field(default=3e-3, metadata={"help": "learning rate"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
+    seed: int = field(default=0, metadata={"help": "seed for weights and data order"})
+    block_size: int = field(default=64, metadata={"help": "context length (gpt)"})
+    n_layer: int = field(default=4, metadata={"help": "transformer blocks (gpt)"})
+    n_head: int = field(default=4, metadata={"help": "attention heads (gpt)"})
+    n_embd: int = field(default=128, metadata={"help": "embedding width (gpt)"})
+    hidden: int = field(default=256, metadata={"help": "hidden width (mlp)"})
+    depth: int = field(default=3, metadata={"help": "hidden layers (mlp)"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "all-reduce bucket size (dp)"})
+    eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
+    eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
+    log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
+    data_dir: str | None = field(default=None, metadata={"help": "folder holding datasets"})
+    run_dir: str | None = field(
+        default=None, metadata={"help": "output folder (default runs/<model>-<strategy>-<time>)"}
+    )
+    backend: str = field(default="auto", metadata={"help": "auto, gloo or nccl"})
+    timeout: float = field(default=300.0, metadata={"help": "seconds any collective may wait"})
+    sample_chars: int = field(default=200, metadata={"help": "generated text at the end (gpt)"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("steps", 1),
+            ("global_batch", 1),
+            ("gradient_accumulation", 1),
+            ("block_size", 1),
+            ("eval_batches", 1),
+            ("log_every", 1),
+            ("eval_every", 0),
+            ("sample_chars", 0),
+        ):
+            value = getattr(self, name)
+            if value < minimum:
+                raise ConfigError(f"{name} must be at least {minimum}, not {value}.")
+        if self.devices is not None and self.devices < 1:
+            raise ConfigError(f"devices must be at least 1, not {self.devices}.")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, not {self.lr}.")
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout must be positive, not {self.timeout}.")
+        if self.optimizer not in ("sgd", "adam", "adamw"):
+            raise ConfigError(f"optimizer must be sgd, adam or adamw, not {self.optimizer!r}.")
+
+
+def field_types(cls: type = TrainConfig) -> dict[str, type]:
+    """Each field's base type (``int | None`` -> ``int``), for parsing and validation."""
+    hints = typing.get_type_hints(cls)
+    result = {}
+    for item in fields(cls):
+        hint = hints[item.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        result[item.name] = args[0] if is_union else hint
+    return result
+
+
+def coerce(name: str, value: Any, kind: type) -> Any:
+    """Check (TOML) or convert (command line strings) one value to its field's type."""
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        ):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif kind is str and isinstance(value, str):
+        return value
+    if isinstance(value, str) and kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name} must be a {kind.__name__}, not {value!r}.")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML run file, refusing keys that are not TrainConfig fields."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; check the --config path.") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}.") from None
+    _refuse_unknown(data, source=str(path))
+    return data
+
+
+def _refuse_unknown(data: dict[str, Any], *, source: str) -> None:
+    known = field_types()
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)} in {source}; known keys: {', '.join(known)}."
+        )
+
+
+def build_config(
+    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Defaults, then the TOML file's values, then command-line overrides (``None`` = unset)."""
+    kinds = field_types()
+    merged: dict[str, Any] = {}
+    for source, values in (("config file", file_values or {}), ("overrides", overrides or {})):
+        _refuse_unknown(values, source=source)
+        for name, value in values.items():
+            if value is not None:
+                merged[name] = coerce(name, value, kinds[name])
+    return TrainConfig(**merged)
+
+
+def as_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain dict of the config, for the metrics file and checkpoint manifest."""
+    return dataclasses.asdict(config)

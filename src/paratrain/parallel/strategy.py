@@ -1,0 +1,148 @@
+"""The Engine contract every strategy implements, and the name -> engine registry.
+
+The trainer and the user's loop talk only to this interface, so they never ask which
+strategy runs them. An engine receives the GLOBAL batch on every rank and takes the share
+it needs; it returns full state in canonical names (the single-device model's own keys).
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step reports; identical on every rank except ``comm_bytes``."""
+
+    loss: float
+    """Mean loss over the whole global batch."""
+    step: int
+    """Optimizer steps taken so far, this one included."""
+    samples: int
+    """Samples in the global batch."""
+    comm_bytes: int = 0
+    """Payload bytes this worker handed to collectives during the step."""
+
+
+class Engine(ABC):
+    """One parallel strategy behind one small interface.
+
+    Subclasses declare their strategy-specific options as keyword-only ``__init__``
+    parameters; ``create_engine`` refuses any other keyword with one clear sentence.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        gradient_accumulation: int = 1,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a factory such as `lambda params: torch.optim.Adam(params)`, "
+                "because the strategy decides which parameters each worker optimizes."
+            )
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(outputs, targets) -> mean loss.")
+        if not isinstance(gradient_accumulation, int) or gradient_accumulation < 1:
+            raise ValueError(
+                f"gradient_accumulation must be a positive integer, not {gradient_accumulation!r}."
+            )
+        self.loss_fn = loss_fn
+        self.gradient_accumulation = gradient_accumulation
+        self.steps_taken = 0
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where this worker computes."""
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the whole job."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Workers taking part in this engine."""
+        return 1
+
+    @abstractmethod
+    def train_step(self, inputs: Any, targets: Any) -> StepStats:
+        """One optimizer step on the global batch (identical on every rank)."""
+
+    @abstractmethod
+    def eval_step(self, inputs: Any, targets: Any) -> float:
+        """Mean loss over the global batch, changing nothing."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full model state in canonical names, as CPU tensors (at least on rank 0)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full canonical model state (as ``state_dict`` returns)."""
+
+
+_REGISTRY: dict[str, type[Engine]] = {}
+
+
+def register(name: str) -> Callable[[type[Engine]], type[Engine]]:
+    """Class decorator adding an engine to the registry under ``name``."""
+
+    def add(cls: type[Engine]) -> type[Engine]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def strategy_names() -> list[str]:
+    """The names ``setup(strategy=...)`` accepts."""
+    return sorted(_REGISTRY)
+
+
+def engine_options(cls: type[Engine]) -> list[str]:
+    """Keyword options an engine accepts, shared and strategy-specific."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        for param in inspect.signature(klass.__init__).parameters.values():
+            if param.kind is inspect.Parameter.KEYWORD_ONLY and param.name not in names:
+                names.append(param.name)
+    return names
+
+
+def create_engine(strategy: str, model: nn.Module, **options: Any) -> Engine:
+    """Build the engine registered as ``strategy``, refusing unknown names and options."""
+    if strategy not in _REGISTRY:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; choose one of: {', '.join(strategy_names())}."
+        )
+    cls = _REGISTRY[strategy]
+    accepted = engine_options(cls)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"strategy {strategy!r} does not take option(s) {', '.join(unknown)}; "
+            f"it accepts: {', '.join(accepted)}."
+        )
+    return cls(model, **options)

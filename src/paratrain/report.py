@@ -1,0 +1,35 @@
+"""The run's metrics file: one JSON object per line, appended as training goes.
+
+JSON lines because a run that dies mid-way still leaves every line it wrote readable, and
+because any tool (pandas, jq, a plotting script) reads it without paratrain.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends records to ``path``, each stamped with seconds since the writer started."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = self.path.open("a", buffering=1)
+        self._start = time.monotonic()
+
+    def write(self, kind: str, **values: Any) -> None:
+        record = {"kind": kind, "time_s": round(time.monotonic() - self._start, 4), **values}
+        self._handle.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a metrics file, in order."""
+    with Path(path).open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]

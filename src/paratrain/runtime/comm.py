@@ -1,0 +1,75 @@
+"""Collectives that count the bytes they move.
+
+Every engine talks to its peers through these functions rather than through
+``torch.distributed`` directly, so that the bytes each worker hands to the network can be
+reported per step (and compared with the ring optimum in the benchmarks) and so that
+timeouts and error reporting live in one place. The process group's own timeout (set by
+``launch``) bounds every operation: no collective waits forever.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_bytes_by_op: Counter[str] = Counter()
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    """Members of ``group``; 1 where no process group exists (a plain single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank(group: ProcessGroup | None = None) -> int:
+    """This worker's rank within ``group``; 0 where no process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def bytes_sent() -> int:
+    """Total payload bytes this worker has handed to collectives so far."""
+    return sum(_bytes_by_op.values())
+
+
+def bytes_by_operation() -> dict[str, int]:
+    """Payload bytes per collective kind, for reports."""
+    return dict(_bytes_by_op)
+
+
+def _count(op: str, tensor: torch.Tensor) -> None:
+    _bytes_by_op[op] += tensor.numel() * tensor.element_size()
+
+
+def all_reduce_sum(
+    tensor: torch.Tensor, *, group: ProcessGroup | None = None, async_op: bool = False
+):
+    """In-place sum over ``group``. Gloo has no AVG, so callers pre-scale for a mean."""
+    _count("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast_tensors(
+    tensors: Iterable[torch.Tensor], *, src: int = 0, group: ProcessGroup | None = None
+) -> None:
+    """Make ``tensors`` equal to ``src``'s copies, one flat message per dtype and device."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    for same_kind in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
+        _count("broadcast", flat)
+        dist.broadcast(flat, src=global_src, group=group)
+        offset = 0
+        for tensor in same_kind:
+            n = tensor.numel()
+            with torch.no_grad():
+                tensor.copy_(flat[offset : offset + n].view_as(tensor))
+            offset += n

@@ -1,0 +1,286 @@
+"""Start N local worker processes (or join a torchrun job) and bring back what they return.
+
+Why our own launcher rather than ``torch.multiprocessing.spawn``: we want three things
+spawn does not give together. (1) The rendezvous store lives in the parent on a port the
+OS picked, so two runs on one machine never race for a port. (2) The first worker that
+fails stops every other one within seconds, and the caller gets that worker's rank and
+original traceback, not the secondary "connection closed" errors of its peers. (3) Return
+values, tensors included, come back intact and in rank order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+_CHILD_FLAG = "PARATRAIN_LAUNCHED_WORKER"
+_COMM_ERROR_MARKERS = ("DistBackendError", "Connection closed by peer", "Connection reset", "gloo")
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised or died; carries the failing rank and its traceback."""
+
+    def __init__(self, rank: int, details: str, *, failures: dict[int, str] | None = None):
+        self.rank = rank
+        self.details = details
+        self.failures = failures or {rank: details}
+        super().__init__(f"worker {rank} failed:\n{details}")
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    host: str
+    store_port: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    threads: int
+
+
+def default_device_count() -> int:
+    """GPUs where there are any; otherwise as many CPU workers as cores, at most 4."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def in_external_job() -> bool:
+    """True inside a job started by torchrun/Slurm (not one of our own workers)."""
+    if os.environ.get(_CHILD_FLAG):
+        return False
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def resolve_backend(backend: str, devices: int) -> str:
+    """'auto' picks NCCL when every worker can have its own GPU, gloo otherwise."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}.")
+    if backend == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if gpus >= devices else "gloo"
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < devices):
+        raise ValueError(
+            f"backend='nccl' needs one GPU per worker, but {devices} workers were asked for "
+            f"and {torch.cuda.device_count()} GPU(s) are visible; "
+            "use backend='gloo' or fewer devices."
+        )
+    return backend
+
+
+def launch(
+    fn: Callable[..., Any],
+    *,
+    devices: int | None = None,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    backend: str = "auto",
+    host: str = "127.0.0.1",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads_per_worker: int | None = None,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` in ``devices`` worker processes joined in one process group.
+
+    Returns the list of every rank's return value, in rank order. Inside a torchrun/Slurm
+    job it instead initialises the process group from the environment (if needed), runs
+    ``fn`` in this process and returns this rank's value.
+    """
+    kwargs = dict(kwargs or {})
+    if in_external_job():
+        return _run_in_external_job(fn, args, kwargs, backend, timeout_s)
+    if devices is None:
+        devices = default_device_count()
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, not {devices!r}.")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
+    if not callable(fn):
+        raise TypeError("launch needs a callable as its first argument.")
+    resolved = resolve_backend(backend, devices)
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // devices)
+    store = dist.TCPStore(
+        host,
+        0,
+        devices,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads)
+    ctx = mp.get_context("spawn")
+    results_queue = ctx.Queue()
+    processes = [
+        ctx.Process(
+            target=_worker_main,
+            args=(rank, spec, fn, tuple(args), kwargs, results_queue),
+            name=f"paratrain-worker-{rank}",
+        )
+        for rank in range(devices)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        results = _collect(processes, results_queue, devices)
+        _join_all(processes, timeout_s=10.0)
+        return results
+    finally:
+        _stop_all(processes)
+        results_queue.close()
+        del store
+
+
+def _collect(processes: list, results_queue, world_size: int) -> list[Any]:
+    """Wait for every rank's result; on the first failure stop everyone and raise."""
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    first_failure_at: float | None = None
+    exited_without_result: dict[int, float] = {}
+    while len(results) < world_size:
+        if first_failure_at is not None and time.monotonic() - first_failure_at > 1.0:
+            break
+        try:
+            kind, rank, payload = results_queue.get(timeout=0.05)
+        except queue_module.Empty:
+            _note_dead_workers(processes, results, failures, exited_without_result)
+            if failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+            continue
+        if kind == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            failures.setdefault(rank, payload)
+            if first_failure_at is None:
+                first_failure_at = time.monotonic()
+    if failures:
+        _stop_all(processes)
+        rank = _root_cause(failures)
+        raise WorkerError(rank, failures[rank], failures=failures)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _note_dead_workers(processes, results, failures, exited_without_result) -> None:
+    """A worker that exited without sending a result has failed (a kill, a segfault...)."""
+    now = time.monotonic()
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code is None or rank in results or rank in failures:
+            continue
+        # Give a result still in flight through the pipe a moment to arrive.
+        seen = exited_without_result.setdefault(rank, now)
+        if code == 0 and now - seen < 2.0:
+            continue
+        if code != 0 and now - seen < 0.3:
+            continue
+        if code < 0:
+            name = signal.Signals(-code).name
+            failures[rank] = f"worker process {rank} was killed by signal {name} (no traceback)."
+        else:
+            failures[rank] = f"worker process {rank} exited with code {code} without a result."
+
+
+def _root_cause(failures: dict[int, str]) -> int:
+    """Prefer the rank whose error is not just a peer noticing that another rank went away."""
+    for rank in sorted(failures):
+        if not any(marker in failures[rank] for marker in _COMM_ERROR_MARKERS):
+            return rank
+    return min(failures)
+
+
+def _stop_all(processes: list, grace_s: float = 3.0) -> None:
+    """SIGTERM every live worker, then SIGKILL what is left after the grace period."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        if process.pid is None:
+            continue
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+
+
+def _join_all(processes: list, timeout_s: float) -> None:
+    """Let workers that already sent their result finish their own clean-up."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker if the launching process dies, so none is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) -> None:
+    _die_with_parent()
+    os.environ.update(
+        {
+            _CHILD_FLAG: "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(spec.world_size),
+            "MASTER_ADDR": spec.host,
+        }
+    )
+    torch.set_num_threads(spec.threads)
+    try:
+        if spec.backend == "nccl":
+            torch.cuda.set_device(rank)
+        timeout = timedelta(seconds=spec.timeout_s)
+        store = dist.TCPStore(
+            spec.host, spec.store_port, spec.world_size, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout
+        )
+        value = fn(*args, **kwargs)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results_queue.put(("ok", rank, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results_queue.put(("error", rank, traceback.format_exc()))
+        results_queue.close()
+        results_queue.join_thread()
+        os._exit(1)
+    results_queue.close()
+    results_queue.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_in_external_job(fn, args, kwargs, backend: str, timeout_s: float) -> Any:
+    """Inside torchrun/Slurm: one process per rank already exists; just join and run."""
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        resolved = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if resolved == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(resolved, timeout=timedelta(seconds=timeout_s))
+    return fn(*args, **kwargs)

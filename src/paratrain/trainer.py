@@ -1,0 +1,267 @@
+"""``fit(config)``: a whole training run, from validated config to printed summary.
+
+The parent process checks everything it can before any worker starts (names, the model
+and dataset pairing, batch divisibility, the dataset being present), fetches the dataset
+once, then launches the workers. Each worker runs the same loop against the Engine
+interface; rank 0 writes the metrics file and the checkpoint. The parent prints the
+summary, including a text sample generated from the saved checkpoint for ``gpt``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import paratrain
+from paratrain.checkpoint import save_model_state
+from paratrain.config import ConfigError, TrainConfig, as_dict
+from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
+from paratrain.models import MODEL_NAMES, build_model, loss_for
+from paratrain.parallel import strategy_names
+from paratrain.parallel.batching import check_divisible
+from paratrain.report import MetricsWriter
+from paratrain.runtime import comm
+from paratrain.runtime.devices import peak_memory_bytes
+from paratrain.runtime.launch import default_device_count
+
+_TOKEN_MODELS = ("gpt",)
+_IMAGE_MODELS = ("lenet",)
+_STRATEGY_OPTIONS = {"dp": ("bucket_mb",)}
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports; also printed as the closing summary."""
+
+    config: TrainConfig
+    devices: int
+    run_dir: Path
+    final_train_loss: float
+    final_eval_loss: float | None
+    samples_per_s: float
+    peak_memory_bytes: list[int]
+    checkpoint: Path
+    metrics: Path
+    sample_text: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def validate(config: TrainConfig) -> int:
+    """Refuse what cannot work before any worker starts; returns the device count."""
+    if config.model not in MODEL_NAMES:
+        raise ConfigError(
+            f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
+        )
+    if config.strategy not in strategy_names():
+        raise ConfigError(
+            f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
+        )
+    devices = config.devices or default_device_count()
+    if config.strategy == "single" and devices != 1:
+        raise ConfigError(
+            f"strategy 'single' trains on one device, but devices={devices}; "
+            "pass --devices 1 or choose --strategy dp."
+        )
+    replicas = devices if config.strategy == "dp" else 1
+    try:
+        check_divisible(
+            config.global_batch, replicas=replicas, micro_batches=config.gradient_accumulation
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return devices
+
+
+def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
+    """A token model needs a token dataset, an image model an image dataset."""
+    wants_tokens = config.model in _TOKEN_MODELS
+    if wants_tokens != (bundle.kind == "tokens"):
+        need = (
+            "a token dataset (shakespeare, synthetic_tokens)"
+            if wants_tokens
+            else ("a classification dataset (fashion_mnist, synthetic, synthetic_images)")
+        )
+        raise ConfigError(f"model {config.model!r} needs {need}, not {config.dataset!r}.")
+    if config.model in _IMAGE_MODELS and len(bundle.input_shape) != 3:
+        raise ConfigError(
+            f"model {config.model!r} needs image-shaped inputs (C, H, W), but {config.dataset!r} "
+            f"gives {tuple(bundle.input_shape)}; use fashion_mnist or synthetic_images."
+        )
+    if len(bundle.train) < config.global_batch:
+        raise ConfigError(
+            f"dataset {config.dataset!r} has {len(bundle.train)} training samples, fewer than "
+            f"one global batch of {config.global_batch}; lower --global-batch."
+        )
+
+
+def load_data(config: TrainConfig) -> DatasetBundle:
+    """The run's dataset (downloaded and cached on first use)."""
+    return build_dataset(
+        config.dataset, data_dir=config.data_dir, block_size=config.block_size, seed=config.seed
+    )
+
+
+def model_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, Any]:
+    """The model's constructor options, sized from the config and the dataset."""
+    if config.model == "gpt":
+        return {
+            "vocab_size": bundle.vocab_size,
+            "block_size": config.block_size,
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "n_embd": config.n_embd,
+        }
+    classes = bundle.num_classes
+    if config.model == "mlp":
+        return {
+            "in_features": math.prod(bundle.input_shape),
+            "hidden": config.hidden,
+            "depth": config.depth,
+            "classes": classes,
+        }
+    return {"classes": classes, "in_channels": bundle.input_shape[0]}
+
+
+def make_optimizer(config: TrainConfig):
+    """The optimizer factory the engine calls with the parameters it owns."""
+    name, lr, decay = config.optimizer, config.lr, config.weight_decay
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(
+            params, lr=lr, momentum=config.momentum, weight_decay=decay
+        )
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr, weight_decay=decay)
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+
+
+def default_run_dir(config: TrainConfig) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{config.model}-{config.strategy}-{stamp}"
+
+
+def fit(config: TrainConfig) -> RunResult:
+    """Train as ``config`` says on local workers (or inside torchrun) and return the summary."""
+    devices = validate(config)
+    bundle = load_data(config)
+    check_pairing(config, bundle)
+    run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    reports = paratrain.launch(
+        train_worker,
+        devices=devices,
+        args=(config, str(run_dir)),
+        backend=config.backend,
+        timeout_s=config.timeout,
+    )
+    if isinstance(reports, dict):  # inside torchrun: this rank's report only
+        reports = [reports]
+    lead = reports[0]
+    result = RunResult(
+        config=config,
+        devices=devices,
+        run_dir=run_dir,
+        final_train_loss=lead["final_train_loss"],
+        final_eval_loss=lead["final_eval_loss"],
+        samples_per_s=lead["samples_per_s"],
+        peak_memory_bytes=[r["peak_memory_bytes"] for r in reports],
+        checkpoint=Path(lead["checkpoint"]),
+        metrics=Path(lead["metrics"]),
+    )
+    if config.model == "gpt" and config.sample_chars:
+        from paratrain.sampling import sample_text
+
+        result.sample_text = sample_text(
+            config, bundle, result.checkpoint, model_options(config, bundle)
+        )
+    return result
+
+
+def _evaluate(engine, loader: GlobalBatchLoader, count: int) -> float:
+    losses = [engine.eval_step(x, y) for x, y in batches(loader, count)]
+    return sum(losses) / len(losses)
+
+
+def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
+    """The loop every worker runs; rank 0 also writes metrics and the checkpoint."""
+    torch.manual_seed(config.seed)
+    bundle = load_data(config)
+    model = build_model(config.model, **model_options(config, bundle))
+    options = {k: getattr(config, k) for k in _STRATEGY_OPTIONS.get(config.strategy, ())}
+    engine = paratrain.setup(
+        model,
+        optimizer=make_optimizer(config),
+        loss_fn=loss_for(config.model),
+        strategy=config.strategy,
+        gradient_accumulation=config.gradient_accumulation,
+        **options,
+    )
+    lead = comm.rank() == 0
+    train_loader = GlobalBatchLoader(bundle.train, config.global_batch, seed=config.seed)
+    eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False)
+    metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl") if lead else None
+    if metrics:
+        metrics.write("config", workers=comm.world_size(), config=as_dict(config))
+    bar = _progress_bar(config, enabled=lead)
+    eval_loss = None
+    start = time.perf_counter()
+    timed_from, timed_samples = start, 0
+    stats = None
+    for step, (inputs, targets) in enumerate(batches(train_loader, config.steps), start=1):
+        stats = engine.train_step(inputs, targets)
+        if step == 1:  # the first step pays one-off costs (allocation, warm-up)
+            timed_from, timed_samples = time.perf_counter(), 0
+        else:
+            timed_samples += stats.samples
+        elapsed = time.perf_counter() - timed_from
+        samples_per_s = timed_samples / elapsed if timed_samples else 0.0
+        if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+            eval_loss = _evaluate(engine, eval_loader, config.eval_batches)
+            if metrics:
+                metrics.write("eval", step=step, eval_loss=eval_loss)
+        if metrics and (step % config.log_every == 0 or step == config.steps):
+            metrics.write(
+                "train",
+                step=step,
+                loss=stats.loss,
+                samples_per_s=samples_per_s,
+                comm_bytes=stats.comm_bytes,
+            )
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.4f}", samples_s=f"{samples_per_s:.0f}")
+    if bar is not None:
+        bar.close()
+    state = engine.state_dict()
+    checkpoint = Path(run_dir) / "final"
+    if lead:
+        save_model_state(
+            checkpoint, state, metadata={"step": stats.step, "config": as_dict(config)}
+        )
+    total = time.perf_counter() - timed_from
+    report = {
+        "rank": comm.rank(),
+        "final_train_loss": stats.loss,
+        "final_eval_loss": eval_loss,
+        "samples_per_s": timed_samples / total if timed_samples else 0.0,
+        "peak_memory_bytes": peak_memory_bytes(engine.device),
+        "checkpoint": str(checkpoint),
+        "metrics": str(Path(run_dir) / "metrics.jsonl"),
+    }
+    if metrics:
+        metrics.write("summary", **{k: v for k, v in report.items() if k != "rank"})
+        metrics.close()
+    return report
+
+
+def _progress_bar(config: TrainConfig, *, enabled: bool):
+    if not (enabled and config.progress):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, desc=f"train {config.model}/{config.strategy}", unit="step")

@@ -1,0 +1,121 @@
+"""Worker functions for the multi-process tests.
+
+They live in an importable module (not inside test functions) because spawned workers
+import the function by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_tensor(scale: float) -> dict:
+    """Return tensors and plain values so the test can check they come back intact."""
+    rank = dist.get_rank()
+    return {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "pid": os.getpid(),
+        "tensor": torch.arange(4, dtype=torch.float64) * scale + rank,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def fail_on_rank_one(message: str) -> int:
+    """Rank 1 raises; the others block in a collective the failed rank never joins."""
+    if dist.get_rank() == 1:
+        raise ValueError(message)
+    dist.barrier()
+    time.sleep(60)
+    return dist.get_rank()
+
+
+def killed_rank_one() -> int:
+    """Rank 1 dies without a traceback (as under the OOM killer); others wait."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    time.sleep(60)
+    return dist.get_rank()
+
+
+def write_pid_then_fail(pid_dir: str) -> None:
+    """Record the pid, then fail on rank 0 while others sleep, to check nobody is left."""
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        raise RuntimeError("planned failure")
+    time.sleep(60)
+
+
+# ---- parity ---------------------------------------------------------------------------
+
+PARITY_STEPS = 10
+PARITY_BATCH = 16
+
+
+def parity_model(kind: str):
+    """Small fp32 models without dropout, built identically from a seed."""
+    from paratrain.models import build_model
+
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return build_model("mlp", in_features=12, hidden=24, depth=2, classes=5)
+    if kind == "gpt":
+        return build_model("gpt", vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    if kind == "unused":
+        model = build_model("mlp", in_features=12, hidden=24, depth=1, classes=5)
+        model.register_parameter("never_used", torch.nn.Parameter(torch.ones(3)))
+        return model
+    raise ValueError(kind)
+
+
+def parity_batches(kind: str, steps: int = PARITY_STEPS, batch: int = PARITY_BATCH):
+    """The same global batches on every rank and in the reference."""
+    generator = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(steps):
+        if kind == "gpt":
+            x = torch.randint(0, 11, (batch, 8), generator=generator)
+            y = torch.randint(0, 11, (batch, 8), generator=generator)
+        else:
+            x = torch.randn(batch, 12, generator=generator)
+            y = torch.randint(0, 5, (batch,), generator=generator)
+        out.append((x, y))
+    return out
+
+
+def parity_optimizer(name: str):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return lambda params: torch.optim.Adam(params, lr=0.01)
+
+
+def train_with(
+    strategy: str, kind: str, optimizer: str, accumulation: int, **options
+) -> tuple[dict, list[float]]:
+    """Train 10 steps with ``strategy``; returns the final state and the reported losses."""
+    import paratrain
+    from paratrain.models import loss_for
+
+    engine = paratrain.setup(
+        parity_model(kind),
+        optimizer=parity_optimizer(optimizer),
+        loss_fn=loss_for("gpt" if kind == "gpt" else "mlp"),
+        strategy=strategy,
+        gradient_accumulation=accumulation,
+        **options,
+    )
+    losses = [engine.train_step(x, y).loss for x, y in parity_batches(kind)]
+    return engine.state_dict(), losses
+
+
+def dp_parity_worker(cases: list[tuple], options: dict) -> list[tuple[dict, list[float]]]:
+    """Run every parity case under dp in one launch (starting workers is the slow part)."""
+    return [train_with("dp", *case, **options) for case in cases]
