@@ -9,7 +9,7 @@ paratrain hands to all-reduce per step per worker next to the ring optimum
 2(N-1)/N x gradient bytes (the ring traffic of the payload is shown beside it).
 
     python benchmarks/bench_dp.py                 # full table
-    python benchmarks/bench_dp.py --quick         # fewer rounds, for a smoke run
+    python benchmarks/bench_dp.py --quick         # one short launch each, for a smoke run
     python benchmarks/bench_dp.py --json out.json # also write the figures
 """
 
@@ -104,19 +104,19 @@ class DDPRunner:
 
 
 class ParatrainRunner:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, options: dict) -> None:
         self.engine = paratrain.setup(
-            fresh_model(name), optimizer=adam, loss_fn=loss_for(name), strategy="dp"
+            fresh_model(name), optimizer=adam, loss_fn=loss_for(name), strategy="dp", **options
         )
 
     def step(self, x, y) -> int:
         return self.engine.train_step(x, y).comm_bytes
 
 
-def bench_worker(name: str, rounds: int, steps: int, warmup: int) -> dict:
+def bench_worker(name: str, rounds: int, steps: int, warmup: int, options: dict) -> dict:
     """Alternate the runners round by round; every rank times every step."""
     world = dist.get_world_size()
-    runners = {"ddp": DDPRunner(name), "paratrain": ParatrainRunner(name)}
+    runners = {"ddp": DDPRunner(name), "paratrain": ParatrainRunner(name, options)}
     if world == 1:
         runners["plain"] = PlainRunner(name)
     batches = make_batches(name, steps)
@@ -146,30 +146,53 @@ def bench_worker(name: str, rounds: int, steps: int, warmup: int) -> dict:
     }
 
 
-def run(models: list[str], worker_counts: list[int], rounds: int, steps: int) -> list[dict]:
+def measure(name: str, workers: int, rounds: int, steps: int, options: dict) -> dict:
+    """One launch: per-runner median step time (max over ranks: a step ends with the slowest)."""
+    results = paratrain.launch(
+        bench_worker, devices=workers, args=(name, rounds, steps, 3, options)
+    )
+    median = {key: max(r["median_s"][key] for r in results) for key in results[0]["median_s"]}
+    return {
+        "median": median,
+        "comm_bytes": results[0]["comm_bytes"],
+        "grad_bytes": results[0]["grad_bytes"],
+    }
+
+
+def run(
+    models: list[str],
+    worker_counts: list[int],
+    rounds: int,
+    steps: int,
+    options: dict,
+    repeats: int,
+) -> list[dict]:
+    """Each configuration is launched ``repeats`` times; figures are medians over launches."""
     rows = []
     for name in models:
         for workers in worker_counts:
-            results = paratrain.launch(bench_worker, devices=workers, args=(name, rounds, steps, 3))
-            # A synchronous step ends when the slowest rank ends: take the max over ranks.
-            median = {
-                key: max(r["median_s"][key] for r in results) for key in results[0]["median_s"]
-            }
+            runs = [measure(name, workers, rounds, steps, options) for _ in range(repeats)]
+            keys = runs[0]["median"]
+            median = {k: statistics.median(r["median"][k] for r in runs) for k in keys}
+            over_ddp = [r["median"]["ddp"] / r["median"]["paratrain"] for r in runs]
+            over_plain = [
+                r["median"]["plain"] / r["median"]["paratrain"] for r in runs if "plain" in keys
+            ]
             batch = MODELS[name]["global_batch"]
             ring = 2 * (workers - 1) / workers
             row = {
                 "model": name,
                 "workers": workers,
                 "global_batch": batch,
+                "repeats": repeats,
                 "median_step_s": median,
                 "samples_per_s": {key: batch / value for key, value in median.items()},
-                "paratrain_over_ddp": median["ddp"] / median["paratrain"],
-                "paratrain_over_plain": (
-                    median["plain"] / median["paratrain"] if "plain" in median else None
-                ),
-                "allreduce_payload_bytes": results[0]["comm_bytes"],
-                "ring_traffic_bytes": ring * results[0]["comm_bytes"],
-                "ring_optimum_bytes": ring * results[0]["grad_bytes"],
+                "paratrain_over_ddp": statistics.median(over_ddp),
+                "paratrain_over_ddp_range": [min(over_ddp), max(over_ddp)],
+                "paratrain_over_plain": statistics.median(over_plain) if over_plain else None,
+                "allreduce_payload_bytes": runs[0]["comm_bytes"],
+                "ring_traffic_bytes": ring * runs[0]["comm_bytes"],
+                "ring_optimum_bytes": ring * runs[0]["grad_bytes"],
             }
             rows.append(row)
             print(format_row(row), flush=True)
@@ -178,7 +201,7 @@ def run(models: list[str], worker_counts: list[int], rounds: int, steps: int) ->
 
 HEADER = (
     "| model | workers | plain ms | DDP ms | paratrain ms | paratrain samples/s "
-    "| paratrain/DDP | paratrain/plain | all-reduce bytes/step/worker (ring traffic) "
+    "| paratrain/DDP (range) | paratrain/plain | all-reduce bytes/step/worker (ring traffic) "
     "| ring optimum |\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -186,10 +209,12 @@ HEADER = (
 def format_row(row: dict) -> str:
     ms = {key: f"{value * 1e3:.1f}" for key, value in row["median_step_s"].items()}
     plain = row["paratrain_over_plain"]
+    low, high = row["paratrain_over_ddp_range"]
     return (
         f"| {row['model']} | {row['workers']} | {ms.get('plain', '-')} | {ms['ddp']} "
         f"| {ms['paratrain']} | {row['samples_per_s']['paratrain']:.0f} "
-        f"| {row['paratrain_over_ddp']:.3f} | {'-' if plain is None else f'{plain:.3f}'} "
+        f"| {row['paratrain_over_ddp']:.3f} ({low:.3f}-{high:.3f}) "
+        f"| {'-' if plain is None else f'{plain:.3f}'} "
         f"| {row['allreduce_payload_bytes']:,} ({row['ring_traffic_bytes']:,.0f}) "
         f"| {row['ring_optimum_bytes']:,.0f} |"
     )
@@ -201,13 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=5, help="alternation rounds")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 4 steps")
+    parser.add_argument("--repeats", type=int, default=3, help="launches per configuration")
+    parser.add_argument("--quick", action="store_true", help="1 launch of 2 rounds x 4 steps")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="paratrain dp option")
+    parser.add_argument("--first-bucket-mb", type=float, default=None, help="paratrain dp option")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
-    rounds, steps = (2, 4) if args.quick else (args.rounds, args.steps)
-    print(f"torch {torch.__version__}, {rounds} rounds x {steps} steps, medians per step")
+    rounds, steps, repeats = (2, 4, 1) if args.quick else (args.rounds, args.steps, args.repeats)
+    print(
+        f"torch {torch.__version__}, {repeats} launch(es) x {rounds} rounds x {steps} steps; "
+        "step times are medians over steps, then over launches"
+    )
     print(HEADER, flush=True)
-    rows = run(args.models, args.workers, rounds, steps)
+    options = {
+        key: value
+        for key, value in (("bucket_mb", args.bucket_mb), ("first_bucket_mb", args.first_bucket_mb))
+        if value is not None
+    }
+    rows = run(args.models, args.workers, rounds, steps, options, repeats)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

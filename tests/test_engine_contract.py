@@ -81,7 +81,9 @@ def test_setup_refuses_an_optimizer_instance():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="factory"):
         paratrain.setup(
-            model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss,
+            model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=F.mse_loss,
             strategy="single",
         )
 
@@ -94,7 +96,10 @@ def test_dp_outside_a_launched_job_says_what_to_do():
 def test_single_engine_eval_changes_nothing_and_train_refuses_uneven_accumulation():
     torch.manual_seed(0)
     engine = paratrain.setup(
-        nn.Linear(3, 1), optimizer=adam, loss_fn=F.mse_loss, strategy="single",
+        nn.Linear(3, 1),
+        optimizer=adam,
+        loss_fn=F.mse_loss,
+        strategy="single",
         gradient_accumulation=2,
     )
     x, y = torch.randn(8, 3), torch.randn(8, 1)

@@ -13,9 +13,7 @@ from tests import workers
 
 CASES = [
     (kind, optimizer, accumulation)
-    for kind, optimizer, accumulation in itertools.product(
-        ("mlp", "gpt"), ("sgd", "adam"), (1, 2)
-    )
+    for kind, optimizer, accumulation in itertools.product(("mlp", "gpt"), ("sgd", "adam"), (1, 2))
 ]
 TOLERANCE = 1e-5
 

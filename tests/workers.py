@@ -119,3 +119,8 @@ def train_with(
 def dp_parity_worker(cases: list[tuple], options: dict) -> list[tuple[dict, list[float]]]:
     """Run every parity case under dp in one launch (starting workers is the slow part)."""
     return [train_with("dp", *case, **options) for case in cases]
+
+
+def gpu_dp_parity_worker(cases: list[tuple]) -> list[tuple[dict, list[float]]]:
+    """dp on NCCL, one GPU per worker (models and batches move to the worker's GPU)."""
+    return [train_with("dp", *case) for case in cases]

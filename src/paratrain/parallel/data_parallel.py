@@ -47,8 +47,14 @@ class DataParallelEngine(Engine):
     """Replicated model, sharded batch, gradients averaged by overlapped bucketed all-reduce.
 
     Options: ``bucket_mb`` (all-reduce bucket size, DDP's default 25), ``first_bucket_mb``
-    (a smaller first bucket so communication starts early in backward), ``group`` (the
-    process group of the replicas; the whole job by default).
+    (the first bucket's size), ``group`` (the process group of the replicas; the whole job
+    by default).
+
+    ``first_bucket_mb`` defaults by backend. On NCCL it is 1 MiB, as in DDP: a small first
+    message leaves early and the GPU's copy engines overlap it with the rest of backward.
+    On gloo (CPU workers) it equals ``bucket_mb``: the reduction runs on the same cores as
+    backward, so an early small message buys no overlap and costs one more round of
+    latency (measured: 5-10% slower steps on ``mlp`` at 2 and 4 workers).
     """
 
     def __init__(
@@ -59,13 +65,15 @@ class DataParallelEngine(Engine):
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
         bucket_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
+        first_bucket_mb: float | None = None,
         group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(
             model, optimizer=optimizer, loss_fn=loss_fn, gradient_accumulation=gradient_accumulation
         )
         require_process_group(self.name)
+        if first_bucket_mb is None:
+            first_bucket_mb = 1.0 if dist.get_backend(group) == "nccl" else bucket_mb
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(
                 f"bucket_mb and first_bucket_mb must be positive, not {bucket_mb} and "
