@@ -12,10 +12,13 @@ DEVICES_FLAG := $(if $(DEVICES),--devices $(DEVICES),)
 
 .PHONY: install train test lint bench clean
 
+# Reinstalls when the importable paratrain is another checkout's (an editable install
+# left by a different clone would otherwise be what the tests import).
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	@$(PYTHON) -c "import paratrain, pytest, ruff" 2>/dev/null || \
-		$(PYTHON) -m pip install -q -e ".[dev]"
+	@$(PYTHON) -c "import os, sys, pytest, ruff, matplotlib, paratrain; \
+		sys.exit(os.path.realpath(paratrain.__file__) != os.path.realpath('src/paratrain/__init__.py'))" \
+		2>/dev/null || $(PYTHON) -m pip install -q -e ".[dev]"
 
 train: install
 	$(PYTHON) -m paratrain train --model gpt --dataset shakespeare --strategy dp \

@@ -124,3 +124,10 @@ def dp_parity_worker(cases: list[tuple], options: dict) -> list[tuple[dict, list
 def gpu_dp_parity_worker(cases: list[tuple]) -> list[tuple[dict, list[float]]]:
     """dp on NCCL, one GPU per worker (models and batches move to the worker's GPU)."""
     return [train_with("dp", *case) for case in cases]
+
+
+def pipeline_parity_worker(cases: list[tuple], options: list[dict]) -> list[tuple[dict, list]]:
+    """Each case under the pipeline engine with its own options (one launch for all)."""
+    return [
+        train_with("pipeline", *case, **option) for case, option in zip(cases, options, strict=True)
+    ]

@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
 from paratrain.runtime.launch import WorkerError
+from paratrain.timeline import TimelineError
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,11 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a reference model on local workers")
     train.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
     _add_config_flags(train)
+    report = commands.add_parser(
+        "report", help="summarise a run; for pipeline runs draw the timeline and write a trace"
+    )
+    report.add_argument("run_dir", help="the run's folder (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="where to write pictures (default: run_dir)")
     return parser
 
 
-def _mib(count: int) -> str:
-    return f"{count / 2**20:,.0f} MiB"
+def format_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB': sizes from bytes to GiB, three significant figures."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(count) < 1024:
+            return f"{count:.3g} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:,.3g} GiB"
 
 
 def format_summary(result) -> str:
@@ -63,7 +74,11 @@ def format_summary(result) -> str:
     lines += [
         f"  throughput        {result.samples_per_s:,.1f} samples/s",
         "  peak memory       "
-        + ", ".join(f"worker {r}: {_mib(b)}" for r, b in enumerate(result.peak_memory_bytes)),
+        + ", ".join(
+            f"worker {r}: {format_bytes(b)}" for r, b in enumerate(result.peak_memory_bytes)
+        ),
+        "  parameters held   "
+        + ", ".join(f"worker {r}: {format_bytes(b)}" for r, b in enumerate(result.parameter_bytes)),
         f"  checkpoint        {result.checkpoint}",
         f"  metrics           {result.metrics}",
     ]
@@ -83,13 +98,34 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from paratrain.report import summarize_metrics
+    from paratrain.timeline import TIMELINE_FILE
+    from paratrain.timeline_report import report, summarize
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / TIMELINE_FILE).exists():
+        raise ConfigError(f"{run_dir} holds no metrics.jsonl; pass the folder of a paratrain run.")
+    if (run_dir / "metrics.jsonl").exists():
+        print(summarize_metrics(run_dir / "metrics.jsonl"))
+    if (run_dir / TIMELINE_FILE).exists():
+        print(summarize(run_dir))
+        for kind, path in report(run_dir, out_dir=args.out).items():
+            print(f"  {kind:<20}{path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``paratrain`` command."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             return _train(args)
-    except ConfigError as error:
+        if args.command == "report":
+            return _report(args)
+    except (ConfigError, TimelineError) as error:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:

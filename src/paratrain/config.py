@@ -34,7 +34,7 @@ class TrainConfig:
         default="shakespeare",
         metadata={"help": "shakespeare, fashion_mnist, synthetic, synthetic_images, ..."},
     )
-    strategy: str = field(default="dp", metadata={"help": "single or dp"})
+    strategy: str = field(default="dp", metadata={"help": "single, dp or pipeline"})
     devices: int | None = field(
         default=None, metadata={"help": "workers to start (default: GPUs, else min(4, cores))"}
     )
@@ -53,6 +53,20 @@ class TrainConfig:
     hidden: int = field(default=256, metadata={"help": "hidden width (mlp)"})
     depth: int = field(default=3, metadata={"help": "hidden layers (mlp)"})
     bucket_mb: float = field(default=25.0, metadata={"help": "all-reduce bucket size (dp)"})
+    stages: int = field(default=2, metadata={"help": "pipeline stages (pipeline)"})
+    micro_batches: int | None = field(
+        default=None, metadata={"help": "micro-batches per step (pipeline; default 2 x stages)"}
+    )
+    schedule: str = field(default="1f1b", metadata={"help": "1f1b or gpipe (pipeline)"})
+    balance: str | None = field(
+        default=None, metadata={"help": "layers per stage, e.g. 2,3,3 (pipeline)"}
+    )
+    balance_by: str = field(
+        default="params", metadata={"help": "params, time or memory (pipeline)"}
+    )
+    recompute: bool = field(
+        default=False, metadata={"help": "recompute activations in backward (pipeline)"}
+    )
     eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
     eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
     log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
@@ -75,6 +89,7 @@ class TrainConfig:
             ("log_every", 1),
             ("eval_every", 0),
             ("sample_chars", 0),
+            ("stages", 1),
         ):
             value = getattr(self, name)
             if value < minimum:
@@ -85,8 +100,22 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, not {self.lr}.")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, not {self.timeout}.")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be at least 1, not {self.micro_batches}.")
+        self.balance_list()
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise ConfigError(f"optimizer must be sgd, adam or adamw, not {self.optimizer!r}.")
+
+    def balance_list(self) -> list[int] | None:
+        """``balance`` ("2,3,3") as a list of layer counts."""
+        if self.balance is None:
+            return None
+        try:
+            return [int(part) for part in self.balance.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"balance must be comma-separated layer counts such as 2,3,3, not {self.balance!r}."
+            ) from None
 
 
 def field_types(cls: type = TrainConfig) -> dict[str, type]:

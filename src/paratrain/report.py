@@ -33,3 +33,27 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Every record of a metrics file, in order."""
     with Path(path).open() as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def summarize_metrics(path: str | Path) -> str:
+    """The headline figures of a metrics file, as ``paratrain report`` prints them."""
+    records = read_metrics(path)
+    config = next((r for r in records if r["kind"] == "config"), {})
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    settings = config.get("config", {})
+    lines = [
+        f"paratrain report {Path(path).parent}: {settings.get('model', '?')} on "
+        f"{settings.get('dataset', '?')}, strategy {settings.get('strategy', '?')}, "
+        f"{config.get('workers', '?')} worker(s)"
+    ]
+    if train:
+        last = train[-1]
+        lines.append(f"  steps logged        {len(train)} (last step {last['step']})")
+        lines.append(f"  train loss          {train[0]['loss']:.4f} -> {last['loss']:.4f}")
+        lines.append(f"  samples/s           {last['samples_per_s']:,.1f}")
+    if evals:
+        lines.append(
+            f"  eval loss           {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
+        )
+    return "\n".join(lines)

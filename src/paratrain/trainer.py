@@ -25,14 +25,21 @@ from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_data
 from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import strategy_names
 from paratrain.parallel.batching import check_divisible
+from paratrain.parallel.partition import check_stages, validate_balance
+from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.launch import default_device_count
+from paratrain.runtime.mesh import check_degrees
 
 _TOKEN_MODELS = ("gpt",)
 _IMAGE_MODELS = ("lenet",)
-_STRATEGY_OPTIONS = {"dp": ("bucket_mb",)}
+_STRATEGY_OPTIONS = {
+    "dp": ("bucket_mb",),
+    "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
+}
+_TIMELINE_STEPS = 200  # the timeline file keeps the last this-many steps
 
 
 @dataclass
@@ -46,6 +53,7 @@ class RunResult:
     final_eval_loss: float | None
     samples_per_s: float
     peak_memory_bytes: list[int]
+    parameter_bytes: list[int]
     checkpoint: Path
     metrics: Path
     sample_text: str | None = None
@@ -68,14 +76,29 @@ def validate(config: TrainConfig) -> int:
             f"strategy 'single' trains on one device, but devices={devices}; "
             "pass --devices 1 or choose --strategy dp."
         )
-    replicas = devices if config.strategy == "dp" else 1
+    replicas, micro = devices if config.strategy == "dp" else 1, config.gradient_accumulation
     try:
-        check_divisible(
-            config.global_batch, replicas=replicas, micro_batches=config.gradient_accumulation
-        )
+        if config.strategy == "pipeline":
+            replicas = check_degrees(devices, stages=config.stages)
+            micro *= config.micro_batches or 2 * config.stages
+        check_divisible(config.global_batch, replicas=replicas, micro_batches=micro)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return devices
+
+
+def check_layers(config: TrainConfig, bundle: DatasetBundle) -> None:
+    """Pipeline stages against the model's layer count, on a weightless (meta) copy."""
+    if config.strategy != "pipeline":
+        return
+    with torch.device("meta"):
+        layers = len(build_model(config.model, **model_options(config, bundle)))
+    try:
+        check_stages(layers, config.stages)
+        if config.balance_list() is not None:
+            validate_balance(config.balance_list(), layers=layers, stages=config.stages)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
@@ -150,6 +173,7 @@ def fit(config: TrainConfig) -> RunResult:
     devices = validate(config)
     bundle = load_data(config)
     check_pairing(config, bundle)
+    check_layers(config, bundle)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     reports = paratrain.launch(
@@ -170,6 +194,7 @@ def fit(config: TrainConfig) -> RunResult:
         final_eval_loss=lead["final_eval_loss"],
         samples_per_s=lead["samples_per_s"],
         peak_memory_bytes=[r["peak_memory_bytes"] for r in reports],
+        parameter_bytes=[r["parameter_bytes"] for r in reports],
         checkpoint=Path(lead["checkpoint"]),
         metrics=Path(lead["metrics"]),
     )
@@ -182,6 +207,42 @@ def fit(config: TrainConfig) -> RunResult:
     return result
 
 
+def strategy_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, Any]:
+    """The engine's strategy-specific keywords, from the config."""
+    options = {k: getattr(config, k) for k in _STRATEGY_OPTIONS.get(config.strategy, ())}
+    if config.strategy == "pipeline":
+        options["balance"] = config.balance_list()
+        if config.balance_by in ("time", "memory"):
+            micro = config.micro_batches or 2 * config.stages
+            size = max(1, config.global_batch // micro)
+            options["sample_input"] = bundle.train[:size][0]
+    return options
+
+
+def write_timeline(engine, run_dir: str) -> None:
+    """Gather every worker's timeline events to rank 0, which writes ``timeline.jsonl``."""
+    import json
+
+    import torch.distributed as dist
+
+    first_step = engine.steps_taken - _TIMELINE_STEPS
+    identity = engine.timeline_identity()
+    own = {
+        "events": [{**identity, **e} for e in engine.events if e["step"] > first_step],
+        "peak": {**identity, "kind": "activation_peak", "bytes": engine.activation_peak_bytes()},
+    }
+    gathered = [None] * comm.world_size() if comm.rank() == 0 else None
+    dist.gather_object(own, gathered, dst=0)
+    if comm.rank() != 0:
+        return
+    with (Path(run_dir) / "timeline.jsonl").open("w") as handle:
+        handle.write(json.dumps({"kind": "meta", **engine.timeline_meta()}) + "\n")
+        for part in gathered:
+            for event in part["events"]:
+                handle.write(json.dumps(event) + "\n")
+            handle.write(json.dumps(part["peak"]) + "\n")
+
+
 def _evaluate(engine, loader: GlobalBatchLoader, count: int) -> float:
     losses = [engine.eval_step(x, y) for x, y in batches(loader, count)]
     return sum(losses) / len(losses)
@@ -192,7 +253,7 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     bundle = load_data(config)
     model = build_model(config.model, **model_options(config, bundle))
-    options = {k: getattr(config, k) for k in _STRATEGY_OPTIONS.get(config.strategy, ())}
+    options = strategy_options(config, bundle)
     engine = paratrain.setup(
         model,
         optimizer=make_optimizer(config),
@@ -237,6 +298,8 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
             bar.set_postfix(loss=f"{stats.loss:.4f}", samples_s=f"{samples_per_s:.0f}")
     if bar is not None:
         bar.close()
+    if isinstance(engine, RecordsTimeline):
+        write_timeline(engine, run_dir)
     state = engine.state_dict()
     checkpoint = Path(run_dir) / "final"
     if lead:
@@ -250,6 +313,7 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
         "final_eval_loss": eval_loss,
         "samples_per_s": timed_samples / total if timed_samples else 0.0,
         "peak_memory_bytes": peak_memory_bytes(engine.device),
+        "parameter_bytes": engine.parameter_bytes,
         "checkpoint": str(checkpoint),
         "metrics": str(Path(run_dir) / "metrics.jsonl"),
     }

@@ -74,6 +74,11 @@ class Engine(ABC):
         """Where this worker computes."""
 
     @property
+    def parameter_bytes(self) -> int:
+        """Bytes of model parameters this worker holds (all of them unless sharded or split)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
     def rank(self) -> int:
         """This worker's rank in the whole job."""
         return 0
@@ -98,6 +103,28 @@ class Engine(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full canonical model state (as ``state_dict`` returns)."""
+
+
+class RecordsTimeline:
+    """Mixin for engines that time each forward and backward (pipeline schedules).
+
+    The trainer writes what these return to the run's ``timeline.jsonl``, which
+    ``paratrain report`` draws; engines without the mixin simply have no timeline.
+    """
+
+    events: list[dict[str, Any]]
+
+    def timeline_meta(self) -> dict[str, Any]:
+        """Header of the timeline file (schedule, stages, micro-batches, replicas)."""
+        raise NotImplementedError
+
+    def timeline_identity(self) -> dict[str, Any]:
+        """Fields added to each of this worker's events (rank, stage, replica)."""
+        raise NotImplementedError
+
+    def activation_peak_bytes(self) -> int:
+        """Peak bytes of activations held for backward on this worker."""
+        raise NotImplementedError
 
 
 _REGISTRY: dict[str, type[Engine]] = {}

@@ -73,3 +73,19 @@ def broadcast_tensors(
             with torch.no_grad():
                 tensor.copy_(flat[offset : offset + n].view_as(tensor))
             offset += n
+
+
+def send_async(tensor: torch.Tensor, *, dst: int, tag: int = 0):
+    """Non-blocking point-to-point send; the caller keeps ``tensor`` alive until ``wait()``.
+
+    Sends never block, so a schedule in which every receive's matching send is eventually
+    issued cannot deadlock, whatever order the two neighbours post their operations in.
+    """
+    _count("send", tensor)
+    return dist.isend(tensor, dst=dst, tag=tag)
+
+
+def recv_into(tensor: torch.Tensor, *, src: int, tag: int = 0) -> torch.Tensor:
+    """Blocking point-to-point receive into ``tensor`` (bounded by the group's timeout)."""
+    dist.recv(tensor, src=src, tag=tag)
+    return tensor

@@ -1,0 +1,367 @@
+"""Pipeline timelines: read what the workers recorded, measure the bubble, export a trace.
+
+Every pipeline worker stamps the start and end of each forward and backward of each
+micro-batch with ``time.perf_counter()``; on Linux that clock is system-wide monotonic, so
+the stamps of all local workers line up without any clock synchronisation. The trainer
+writes them to ``RUN_DIR/timeline.jsonl``: a ``meta`` header, one object per forward or
+backward, and optionally each stage's ``activation_peak``. JSON lines, like the metrics
+file, so a run that dies still leaves a readable record and any tool can read it.
+
+The point of all this is one number and one picture: how much of each step the stages spent
+waiting (the pipeline *bubble*), next to the textbook ``(p - 1) / (m + p - 1)``, and a
+timeline that shows where the waiting happened. A Chrome/Perfetto trace is written too, for
+zooming into a long run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = [
+    "StageEvent",
+    "Timeline",
+    "TimelineError",
+    "chrome_trace",
+    "measured_bubble",
+    "measured_steps",
+    "compact_ranges",
+    "read_timeline",
+    "theoretical_bubble",
+    "write_chrome_trace",
+]
+
+TIMELINE_FILE = "timeline.jsonl"
+WORK_KINDS = ("forward", "backward")
+
+# Field -> expected type, per record kind. ``float`` accepts integers too; ``int`` refuses
+# booleans (JSON ``true`` would otherwise pass as 1).
+_FIELDS: dict[str, dict[str, type]] = {
+    "meta": {"stages": int, "micro_batches": int, "schedule": str, "replicas": int},
+    "forward": {
+        "rank": int,
+        "stage": int,
+        "replica": int,
+        "step": int,
+        "micro": int,
+        "start": float,
+        "end": float,
+    },
+    "activation_peak": {"rank": int, "stage": int, "replica": int, "bytes": int},
+}
+_FIELDS["backward"] = _FIELDS["forward"]
+
+
+class TimelineError(ValueError):
+    """A timeline that cannot be used as it is; the message names the file and the fault."""
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """One forward or backward of one micro-batch on one stage, in perf_counter seconds."""
+
+    rank: int
+    stage: int
+    replica: int
+    step: int
+    kind: str
+    micro: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    """A parsed ``timeline.jsonl``: the header, the work events in file order, and the
+    peak activation bytes keyed by ``(replica, stage)``."""
+
+    meta: dict[str, Any]
+    events: list[StageEvent]
+    activation_peaks: dict[tuple[int, int], int]
+
+    @property
+    def stages(self) -> int:
+        return int(self.meta["stages"])
+
+    @property
+    def micro_batches(self) -> int:
+        return int(self.meta["micro_batches"])
+
+    @property
+    def schedule(self) -> str:
+        return str(self.meta["schedule"])
+
+    @property
+    def replicas(self) -> int:
+        return int(self.meta["replicas"])
+
+    def steps(self, *, replica: int = 0) -> list[int]:
+        """The optimizer steps that recorded any work on ``replica``, in order."""
+        return sorted({e.step for e in self.events if e.replica == replica})
+
+    def step_events(self, step: int, *, replica: int = 0) -> list[StageEvent]:
+        """The work of one step on one replica; refuses a step that is absent or that some
+        stage recorded nothing for, because a bubble measured without it would be wrong."""
+        chosen = [e for e in self.events if e.step == step and e.replica == replica]
+        if not chosen:
+            recorded = self.steps(replica=replica)
+            raise TimelineError(
+                f"Replica {replica} recorded no work at step {step}; "
+                f"the timeline has steps {compact_ranges(recorded) or 'none'} for it."
+            )
+        missing = sorted(set(range(self.stages)) - {e.stage for e in chosen})
+        if missing:
+            raise TimelineError(
+                f"Step {step} of replica {replica} has no events for stage(s) "
+                f"{', '.join(map(str, missing))}, so its bubble cannot be measured."
+            )
+        return chosen
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def read_timeline(path: str | Path) -> Timeline:
+    """Parse and validate a timeline file; a malformed one is refused with one sentence
+    naming the file and the line, rather than producing a plausible but wrong bubble."""
+    path = Path(path)
+    meta: dict[str, Any] | None = None
+    meta_line = 0
+    work: list[tuple[int, StageEvent]] = []
+    peaks: list[tuple[int, dict[str, Any]]] = []
+    with path.open() as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            record = _parse_line(line, number, path)
+            kind = record["kind"]
+            if kind == "meta":
+                if meta is not None and record != meta:
+                    _fail(
+                        path,
+                        number,
+                        f"has a second, different meta line (first on line {meta_line})",
+                    )
+                meta, meta_line = record, number
+            elif kind == "activation_peak":
+                peaks.append((number, record))
+            else:
+                fields = {k: record[k] for k in _FIELDS[kind]}
+                work.append((number, StageEvent(kind=kind, **fields)))
+    if meta is None:
+        raise TimelineError(
+            f'{path} has no meta line ({{"kind": "meta", "stages": ...}}), '
+            "so it is not a complete pipeline timeline."
+        )
+    for name in ("stages", "micro_batches", "replicas"):
+        if meta[name] < 1:
+            _fail(path, meta_line, f"says {name} = {meta[name]}; it must be at least 1")
+    for number, event in work:
+        _check_place(path, number, meta, event.stage, event.replica, event.rank)
+        if event.step < 0:
+            _fail(path, number, f"has step {event.step}; steps count from 0")
+        if not 0 <= event.micro < meta["micro_batches"]:
+            _fail(
+                path,
+                number,
+                f"names micro-batch {event.micro}, but the meta line says "
+                f"there are {meta['micro_batches']} (0-{meta['micro_batches'] - 1})",
+            )
+        if event.end < event.start:
+            _fail(path, number, f"ends before it starts (start {event.start}, end {event.end})")
+    activation_peaks: dict[tuple[int, int], int] = {}
+    for number, record in peaks:
+        _check_place(path, number, meta, record["stage"], record["replica"], record["rank"])
+        if record["bytes"] < 0:
+            _fail(path, number, f"has a negative activation peak ({record['bytes']} bytes)")
+        key = (record["replica"], record["stage"])
+        activation_peaks[key] = max(activation_peaks.get(key, 0), record["bytes"])
+    return Timeline(meta=meta, events=[e for _, e in work], activation_peaks=activation_peaks)
+
+
+def _parse_line(line: str, number: int, path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        _fail(path, number, f"is not valid JSON ({error.msg} at column {error.colno})")
+    if not isinstance(record, dict):
+        _fail(path, number, f"is a JSON {type(record).__name__}, not an object")
+    kind = record.get("kind")
+    if not isinstance(kind, str) or kind not in _FIELDS:
+        _fail(path, number, f"has kind {json.dumps(kind)}; expected one of {', '.join(_FIELDS)}")
+    for name, expected in _FIELDS[kind].items():
+        if name not in record:
+            _fail(path, number, f"lacks the field {name!r} that a {kind} record needs")
+        value = record[name]
+        if expected is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value)
+        else:
+            ok = isinstance(value, expected) and not isinstance(value, bool)
+        if not ok:
+            wanted = {int: "an integer", float: "a finite number", str: "a string"}[expected]
+            _fail(path, number, f"has {name} = {json.dumps(value)}; expected {wanted}")
+    return record
+
+
+def _check_place(
+    path: Path, number: int, meta: dict[str, Any], stage: int, replica: int, rank: int
+) -> None:
+    if not 0 <= stage < meta["stages"]:
+        _fail(
+            path,
+            number,
+            f"names stage {stage}, but the meta line says there are "
+            f"{meta['stages']} (0-{meta['stages'] - 1})",
+        )
+    if not 0 <= replica < meta["replicas"]:
+        _fail(
+            path,
+            number,
+            f"names replica {replica}, but the meta line says there are "
+            f"{meta['replicas']} (0-{meta['replicas'] - 1})",
+        )
+    if rank < 0:
+        _fail(path, number, f"has a negative rank ({rank})")
+
+
+def _fail(path: Path, number: int, problem: str) -> NoReturn:
+    raise TimelineError(f"Line {number} of {path} {problem}.")
+
+
+# ---------------------------------------------------------------------------- bubble
+
+
+def theoretical_bubble(stages: int, micro_batches: int) -> float:
+    """The idle fraction of an ideal synchronous pipeline, ``(p - 1) / (m + p - 1)``.
+
+    It holds for GPipe and 1F1B alike when every stage takes the same time per
+    micro-batch (forward and backward may differ) and sending costs nothing.
+    """
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(
+            f"A pipeline needs at least 1 stage and 1 micro-batch, not {stages} and "
+            f"{micro_batches}."
+        )
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def measured_bubble(timeline: Timeline, *, step: int | None = None, replica: int = 0) -> float:
+    """The fraction of a step that the stages of one replica spent idle.
+
+    Definition: the step's *span* runs from the earliest start to the latest end of that
+    step's forwards and backwards on ``replica``, over all its stages. A stage's *busy*
+    time is the total duration of its own events (overlaps, which one worker never
+    produces, count once); its *idle* time is ``span - busy``. The bubble is the mean over
+    stages of ``idle / span``. So it counts only compute: the optimizer update and any
+    gradient all-reduce after the last backward fall outside the span. With ``step=None``
+    the result is the median over all recorded steps but the first, which pays for
+    warm-up (allocation, autotuning, first-touch communication); a single recorded step
+    is used as it is.
+    """
+    if step is not None:
+        return bubble_of(*step_profile(timeline, step, replica))
+    return statistics.median(
+        bubble_of(*step_profile(timeline, s, replica)) for s in measured_steps(timeline, replica)
+    )
+
+
+def measured_steps(timeline: Timeline, replica: int) -> list[int]:
+    steps = timeline.steps(replica=replica)
+    if not steps:
+        raise TimelineError(
+            f"The timeline has no forward or backward events for replica {replica}."
+        )
+    return steps[1:] if len(steps) > 1 else steps
+
+
+def step_profile(timeline: Timeline, step: int, replica: int) -> tuple[float, dict[int, float]]:
+    """``(span, busy seconds per stage)`` of one step on one replica."""
+    events = timeline.step_events(step, replica=replica)
+    span = max(e.end for e in events) - min(e.start for e in events)
+    if span <= 0:
+        raise TimelineError(f"Step {step} of replica {replica} spans no time, so it has no bubble.")
+    busy = {}
+    for stage in range(timeline.stages):
+        intervals = sorted((e.start, e.end) for e in events if e.stage == stage)
+        total, reached = 0.0, -math.inf
+        for start, end in intervals:
+            start = max(start, reached)
+            if end > start:
+                total += end - start
+                reached = end
+        busy[stage] = total
+    return span, busy
+
+
+def bubble_of(span: float, busy: dict[int, float]) -> float:
+    return statistics.fmean((span - b) / span for b in busy.values())
+
+
+# ---------------------------------------------------------------------------- trace
+
+
+def chrome_trace(timeline: Timeline) -> dict[str, Any]:
+    """The timeline as Trace Event Format JSON, for chrome://tracing and ui.perfetto.dev.
+
+    One complete ("X") event per forward ("F3") or backward ("B3"), timestamps in
+    microseconds from the first event; a process per replica and a thread per stage, named
+    by metadata events so the rows read "stage 0", "stage 1", ... in stage order.
+    """
+    t0 = min((e.start for e in timeline.events), default=0.0)
+    trace: list[dict[str, Any]] = []
+    for replica in range(timeline.replicas):
+        trace.append(_metadata("process_name", replica, 0, name=f"pipeline replica {replica}"))
+        trace.append(_metadata("process_sort_index", replica, 0, sort_index=replica))
+        for stage in range(timeline.stages):
+            trace.append(_metadata("thread_name", replica, stage, name=f"stage {stage}"))
+            trace.append(_metadata("thread_sort_index", replica, stage, sort_index=stage))
+    for event in sorted(timeline.events, key=lambda e: (e.start, e.replica, e.stage)):
+        trace.append(
+            {
+                "name": f"{event.kind[0].upper()}{event.micro}",
+                "cat": event.kind,
+                "ph": "X",
+                "ts": round((event.start - t0) * 1e6, 3),
+                "dur": round(event.duration * 1e6, 3),
+                "pid": event.replica,
+                "tid": event.stage,
+                "args": {"step": event.step, "micro": event.micro, "rank": event.rank},
+            }
+        )
+    other = {k: timeline.meta[k] for k in ("schedule", "stages", "micro_batches", "replicas")}
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _metadata(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
+    return {"name": event, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:
+    """Write :func:`chrome_trace` to ``path`` (open it in ui.perfetto.dev)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(timeline)) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- picture
+
+
+def compact_ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: step lists stay short in messages."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

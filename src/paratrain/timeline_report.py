@@ -1,0 +1,239 @@
+"""Pictures and text for a pipeline run: ``paratrain report RUN_DIR``.
+
+Draws one step of the recorded timeline (a row per stage, forward and backward coloured,
+idle time left empty so the bubble shows), summarises the measured bubble next to the
+theory, and writes the Chrome/Perfetto trace beside them. The reading and measuring live
+in ``timeline``; this module only presents.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from paratrain.timeline import (
+    TIMELINE_FILE,
+    WORK_KINDS,
+    Timeline,
+    TimelineError,
+    bubble_of,
+    compact_ranges,
+    measured_steps,
+    read_timeline,
+    step_profile,
+    theoretical_bubble,
+    write_chrome_trace,
+)
+
+__all__ = ["draw_timeline", "report", "summarize"]
+
+_COLOURS = {"forward": "#4C8BD6", "backward": "#F28E2B"}
+_MIB = 1 << 20
+_SUMMARY_SKIPS = {"kind", "stages", "micro_batches", "schedule", "replicas"}
+
+
+def draw_timeline(
+    timeline: Timeline, path: str | Path, *, step: int | None = None, replica: int = 0
+) -> Path:
+    """Draw one step (default: the last) as a PNG: a row per stage, forward and backward
+    boxes labelled with their micro-batch, idle time left empty so the bubble shows."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise RuntimeError(
+            'Drawing the pipeline timeline needs matplotlib: pip install "paratrain[report]".'
+        ) from error
+    if step is None:
+        steps = timeline.steps(replica=replica)
+        if not steps:
+            raise TimelineError(
+                f"The timeline has no forward or backward events for replica {replica}."
+            )
+        step = steps[-1]
+    events = timeline.step_events(step, replica=replica)
+    span, busy = step_profile(timeline, step, replica)
+    t0 = min(e.start for e in events)
+    stages, span_ms = timeline.stages, span * 1e3
+
+    # Agg canvas on a bare Figure: no pyplot, so the caller's backend and figures stay as
+    # they were.
+    fig = Figure(figsize=(12, 1.7 + 0.45 * stages), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for stage in range(stages):
+        for kind in WORK_KINDS:  # one collection per row and colour: fast for long runs
+            boxes = [
+                ((e.start - t0) * 1e3, e.duration * 1e3)
+                for e in events
+                if e.stage == stage and e.kind == kind
+            ]
+            ax.broken_barh(
+                boxes,
+                (stage - 0.4, 0.8),
+                facecolors=_COLOURS[kind],
+                edgecolors="white",
+                linewidth=0.8,
+            )
+    ax.set_xlim(0, span_ms)
+    ax.set_ylim(stages - 0.5, -0.5)
+    ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel(f"time within step {step} (ms)")
+    ax.grid(axis="x", color="0.9")
+    ax.set_axisbelow(True)
+    for s in range(stages):
+        ax.text(
+            1.005,
+            s,
+            f"idle {(span - busy[s]) / span:.0%}",
+            va="center",
+            fontsize=8,
+            color="0.35",
+            transform=ax.get_yaxis_transform(),
+        )
+    theory = theoretical_bubble(stages, timeline.micro_batches)
+    where = f", replica {replica}" if timeline.replicas > 1 else ""
+    ax.set_title(
+        f"{timeline.schedule} pipeline: {stages} stages x {timeline.micro_batches} "
+        f"micro-batches (step {step}{where})\nbubble measured {bubble_of(span, busy):.1%} "
+        f"vs theoretical (p-1)/(m+p-1) = {theory:.1%}",
+        loc="left",
+        fontsize=10,
+    )
+    ax.legend(
+        handles=[
+            Patch(color=_COLOURS["forward"], label="forward"),
+            Patch(color=_COLOURS["backward"], label="backward"),
+            Patch(facecolor="white", edgecolor="0.6", label="idle"),
+        ],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=3,
+        frameon=False,
+        fontsize=9,
+    )
+
+    # Labels only where they fit: the pixel width of a box is known once laid out.
+    fig.canvas.draw()
+    px_per_ms = ax.get_window_extent().width / span_ms
+    for event in events:
+        label = str(event.micro)
+        if event.duration * 1e3 * px_per_ms >= 8 * len(label) + 4:
+            ax.text(
+                (event.start - t0 + event.duration / 2) * 1e3,
+                event.stage,
+                label,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="#1a1a1a",
+                clip_on=True,
+            )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def summarize(run_dir: str | Path) -> str:
+    """The text ``paratrain report RUN_DIR`` prints for a pipeline run: the shape of the
+    pipeline, the bubble measured against theory, and where each stage spent its step."""
+    run_dir = Path(run_dir)
+    timeline = read_timeline(_timeline_path(run_dir))
+    p, m = timeline.stages, timeline.micro_batches
+    theory = theoretical_bubble(p, m)
+    lines = [
+        f"paratrain report {run_dir}: pipeline timeline",
+        _field("  ", "schedule", timeline.schedule),
+        _field("  ", "stages", p),
+        _field("  ", "micro-batches", m),
+        _field("  ", "replicas", timeline.replicas),
+        *(_field("  ", k, v) for k, v in timeline.meta.items() if k not in _SUMMARY_SKIPS),
+        _field("  ", "theoretical bubble", f"{theory:.1%}  = (p-1)/(m+p-1)"),
+    ]
+    for replica in range(timeline.replicas):
+        if not timeline.steps(replica=replica):
+            lines.append(f"  replica {replica}: no forward or backward events recorded")
+            continue
+        lines += _replica_summary(timeline, replica, theory)
+    return "\n".join(lines)
+
+
+def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[str]:
+    all_steps = timeline.steps(replica=replica)
+    steps = measured_steps(timeline, replica)
+    profiles = [step_profile(timeline, s, replica) for s in steps]
+    measured = statistics.median(bubble_of(span, busy) for span, busy in profiles)
+    ratio = f"{measured / theory:.2f}" if theory > 0 else "n/a (one stage has no bubble)"
+    if len(all_steps) > 1:
+        over = (
+            f"median over steps {compact_ranges(steps)}; the first recorded is left out as warm-up"
+        )
+    else:
+        over = f"the only recorded step, {steps[0]}"
+    indent = "  " if timeline.replicas == 1 else "    "
+    lines = [] if timeline.replicas == 1 else [f"  replica {replica}:"]
+    lines += [
+        _field(indent, "steps recorded", f"{len(all_steps)} ({compact_ranges(all_steps)})"),
+        _field(indent, "measured bubble", f"{measured:.1%}  ({over})"),
+        _field(indent, "measured/theory", ratio),
+    ]
+    peaks = {s: b for (r, s), b in timeline.activation_peaks.items() if r == replica}
+    header = f"{indent}  stage   busy ms/step   idle   fwd ms/micro   bwd ms/micro"
+    lines += [
+        f"{indent}per stage (medians over the same steps):",
+        header + ("   activation peak" if peaks else ""),
+    ]
+    chosen = set(steps)
+    for stage in range(timeline.stages):
+        busy = statistics.median(b[stage] for _, b in profiles) * 1e3
+        idle = statistics.median((span - b[stage]) / span for span, b in profiles)
+        mean_ms = {}
+        for kind in WORK_KINDS:
+            durations = [
+                e.duration
+                for e in timeline.events
+                if e.replica == replica and e.stage == stage and e.kind == kind and e.step in chosen
+            ]
+            mean_ms[kind] = statistics.fmean(durations) * 1e3 if durations else math.nan
+        row = (
+            f"{indent}  {stage:>5}   {busy:>12.3f}   {idle:>4.0%}   "
+            f"{mean_ms['forward']:>12.3f}   {mean_ms['backward']:>12.3f}"
+        )
+        if peaks:
+            peak = f"{peaks[stage] / _MIB:.1f} MiB" if stage in peaks else "-"
+            row += f"   {peak:>15}"
+        lines.append(row)
+    return lines
+
+
+def _field(indent: str, label: str, value: object) -> str:
+    """One ``label  value`` line, values aligned whatever the indent."""
+    return f"{indent}{label:<{22 - len(indent)}}{value}"
+
+
+def report(run_dir: str | Path, *, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """Write ``trace.json`` and ``timeline.png`` for a pipeline run into ``out_dir`` (default:
+    the run dir) and return their paths. The trace is written first, so it exists even
+    when matplotlib is missing and drawing raises."""
+    run_dir = Path(run_dir)
+    timeline = read_timeline(_timeline_path(run_dir))
+    target = Path(out_dir) if out_dir is not None else run_dir
+    trace = write_chrome_trace(timeline, target / "trace.json")
+    picture = draw_timeline(timeline, target / "timeline.png")
+    return {"trace": trace, "timeline": picture}
+
+
+def _timeline_path(run_dir: Path) -> Path:
+    path = run_dir / TIMELINE_FILE
+    if not path.is_file():
+        raise TimelineError(
+            f"{run_dir} has no {TIMELINE_FILE}: it was not a pipeline run, or it recorded no "
+            "timeline."
+        )
+    return path

@@ -1,0 +1,249 @@
+"""Pipeline schedules: exact action lists and clock tables, bubbles, memory bound, deadlocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    ScheduleDeadlock,
+    ScheduleError,
+    clock_table,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    max_in_flight,
+    one_f_one_b,
+    simulate,
+    simulated_bubble,
+)
+
+
+def labels(schedule, chunks=1):
+    return [" ".join(a.label(chunks=chunks) for a in actions) for actions in schedule]
+
+
+# ---------------------------------------------------------------- action lists
+
+
+def test_gpipe_runs_all_forwards_then_backwards_in_micro_order():
+    assert labels(gpipe(2, 3)) == ["F0 F1 F2 B0 B1 B2", "F0 F1 F2 B0 B1 B2"]
+
+
+def test_one_f_one_b_warms_up_with_stages_minus_stage_minus_one_forwards():
+    assert labels(one_f_one_b(3, 4)) == [
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+
+
+def test_one_f_one_b_with_fewer_micro_batches_than_warm_up():
+    assert labels(one_f_one_b(4, 2)) == [
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 B0 F1 B1",
+    ]
+
+
+def test_interleaved_orders_groups_of_stages_by_chunk():
+    assert labels(interleaved_1f1b(2, 4, 2), chunks=2) == [
+        "F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a B2b B3b B2a B3a",
+        "F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a",
+    ]
+    assert interleaved_1f1b(2, 2, 2)[0][2] == Action("F", 0, 1)
+
+
+# ---------------------------------------------------------------- clock tables
+
+TABLES = {
+    ("gpipe", 2, 2): [
+        "F0 F1 .  .  B0 B1",
+        ".  F0 F1 B0 B1 .",
+    ],
+    ("gpipe", 2, 4): [
+        "F0 F1 F2 F3 .  .  B0 B1 B2 B3",
+        ".  F0 F1 F2 F3 B0 B1 B2 B3 .",
+    ],
+    ("gpipe", 4, 4): [
+        "F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3",
+        ".  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .",
+        ".  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .  .",
+        ".  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .",
+    ],
+    ("gpipe", 4, 8): [
+        "F0 F1 F2 F3 F4 F5 F6 F7 .  .  .  .  .  .  B0 B1 B2 B3 B4 B5 B6 B7",
+        ".  F0 F1 F2 F3 F4 F5 F6 F7 .  .  .  .  B0 B1 B2 B3 B4 B5 B6 B7 .",
+        ".  .  F0 F1 F2 F3 F4 F5 F6 F7 .  .  B0 B1 B2 B3 B4 B5 B6 B7 .  .",
+        ".  .  .  F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7 .  .  .",
+    ],
+    ("1f1b", 2, 2): [
+        "F0 F1 .  B0 .  B1",
+        ".  F0 B0 F1 B1 .",
+    ],
+    ("1f1b", 2, 4): [
+        "F0 F1 .  B0 F2 B1 F3 B2 .  B3",
+        ".  F0 B0 F1 B1 F2 B2 F3 B3 .",
+    ],
+    ("1f1b", 4, 4): [
+        "F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3",
+        ".  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 .",
+        ".  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .  .",
+        ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .",
+    ],
+    ("1f1b", 4, 8): [
+        "F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7",
+        ".  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .",
+        ".  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .",
+        ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .",
+    ],
+}
+
+
+@pytest.mark.parametrize("key", list(TABLES), ids=lambda k: f"{k[0]}-p{k[1]}-m{k[2]}")
+def test_clock_tables_with_unit_ticks(key):
+    name, stages, micro = key
+    assert clock_table(get_schedule(name)(stages, micro)) == TABLES[key]
+
+
+def test_clock_tables_with_backward_twice_as_long_as_forward():
+    assert clock_table(gpipe(2, 2), backward_ticks=2) == [
+        "F0 F1 .  .  .  B0 B0 B1 B1",
+        ".  F0 F1 B0 B0 B1 B1 .  .",
+    ]
+    assert clock_table(one_f_one_b(2, 4), backward_ticks=2) == [
+        "F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3",
+        ".  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .",
+    ]
+
+
+def test_interleaved_clock_tables():
+    assert clock_table(interleaved_1f1b(2, 2, 2)) == [
+        "F0a F1a F0b F1b .   B0b .   B1b B0a B1a",
+        ".   F0a F1a F0b B0b F1b B1b B0a B1a .",
+    ]
+    assert clock_table(interleaved_1f1b(4, 8, 2)) == [
+        "F0a F1a F2a F3a F0b F1b F2b F3b F4a F5a F6a B0b F7a B1b .   .   F4b B2b F5b B3b "
+        "F6b B0a F7b B1a B2a B3a .   B4b .   B5b .   B6b .   B7b B4a B5a B6a B7a",
+        ".   F0a F1a F2a F3a F0b F1b F2b F3b F4a B0b F5a B1b F6a B2b F7a B3b F4b B0a F5b "
+        "B1a F6b B2a F7b B3a .   B4b .   B5b .   B6b .   B7b B4a B5a B6a B7a .",
+        ".   .   F0a F1a F2a F3a F0b F1b F2b B0b F3b B1b F4a B2b F5a B3b F6a B0a F7a B1a "
+        "F4b B2a F5b B3a F6b B4b F7b B5b .   B6b .   B7b B4a B5a B6a B7a .   .",
+        ".   .   .   F0a F1a F2a F3a F0b B0b F1b B1b F2b B2b F3b B3b F4a B0a F5a B1a F6a "
+        "B2a F7a B3a F4b B4b F5b B5b F6b B6b F7b B7b B4a B5a B6a B7a .   .   .",
+    ]
+
+
+def test_simulate_places_actions_on_exact_ticks():
+    placed = simulate(one_f_one_b(2, 2), backward_ticks=2)
+    assert [(t.action.label(), t.start, t.end) for t in placed[0]] == [
+        ("F0", 0, 1),
+        ("F1", 1, 2),
+        ("B0", 4, 6),
+        ("B1", 7, 9),
+    ]
+
+
+# ---------------------------------------------------------------- bubbles and memory
+
+SIZES = [(p, m) for p in range(1, 6) for m in range(1, 9)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("backward_ticks", [1, 2, 3])
+def test_simulated_bubble_equals_theory(name, backward_ticks):
+    for stages, micro in SIZES:
+        schedule = get_schedule(name)(stages, micro)
+        bubble = simulated_bubble(schedule, backward_ticks=backward_ticks)
+        assert bubble == (stages - 1) / (micro + stages - 1), (stages, micro)
+
+
+def test_known_bubble_values():
+    assert simulated_bubble(gpipe(4, 4)) == 3 / 7
+    assert simulated_bubble(one_f_one_b(4, 8)) == 3 / 11
+    assert simulated_bubble(gpipe(1, 5)) == 0.0
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_interleaved_bubble_shrinks_by_the_chunk_count(chunks):
+    for stages in range(1, 6):
+        for micro in range(stages, 4 * stages + 1, stages):
+            schedule = interleaved_1f1b(stages, micro, chunks)
+            for backward_ticks in (1, 2):
+                bubble = simulated_bubble(schedule, backward_ticks=backward_ticks)
+                assert bubble == (stages - 1) / (chunks * micro + stages - 1)
+
+
+def test_max_in_flight():
+    assert max_in_flight(gpipe(4, 8)) == [8, 8, 8, 8]
+    assert max_in_flight(one_f_one_b(4, 8)) == [4, 3, 2, 1]
+    assert max_in_flight(one_f_one_b(4, 2)) == [2, 2, 2, 1]
+    assert max_in_flight(interleaved_1f1b(4, 8, 2)) == [11, 9, 7, 5]
+    for stages, micro in SIZES:
+        assert max_in_flight(gpipe(stages, micro)) == [micro] * stages
+        assert max_in_flight(one_f_one_b(stages, micro)) == [
+            min(stages - s, micro) for s in range(stages)
+        ]
+
+
+# ---------------------------------------------------------------- refusals and deadlocks
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="stages must be a positive integer, not 0"):
+        gpipe(0, 4)
+    with pytest.raises(ValueError, match="micro_batches must be a positive integer, not 0"):
+        one_f_one_b(2, 0)
+    with pytest.raises(ValueError, match="stages must be a positive integer, not True"):
+        gpipe(True, 4)
+    with pytest.raises(ValueError, match="6 is not a multiple of 4; use a multiple of 4"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="chunks must be a positive integer, not 0"):
+        interleaved_1f1b(2, 4, 0)
+    with pytest.raises(ValueError, match="backward_ticks must be a positive integer"):
+        simulate(gpipe(2, 2), backward_ticks=0)
+    with pytest.raises(ScheduleError, match="kind must be 'F' or 'B'"):
+        Action("W", 0)
+
+
+def test_get_schedule_names_the_choices():
+    assert get_schedule("gpipe") is gpipe
+    assert get_schedule("1f1b") is one_f_one_b
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe"]
+    with pytest.raises(
+        ScheduleError, match="unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b"
+    ):
+        get_schedule("zb")
+
+
+def test_cyclic_wait_is_reported_as_a_deadlock():
+    F, B = (lambda m: Action("F", m)), (lambda m: Action("B", m))
+    # Stage 0 wants B0 before F1; stage 1 wants F1 before B0: each waits for the other.
+    cyclic = [[F(0), B(0), F(1), B(1)], [F(0), F(1), B(1), B(0)]]
+    with pytest.raises(ScheduleDeadlock, match="stage 0 at B0, stage 1 at F1"):
+        simulate(cyclic)
+    with pytest.raises(ScheduleDeadlock, match="stage 0 at B0"):
+        simulate([[B(0), F(0)]])  # a backward before its own forward
+
+
+def test_malformed_schedules_are_refused():
+    F, B = (lambda m: Action("F", m)), (lambda m: Action("B", m))
+    with pytest.raises(ScheduleError, match="stage 1 runs B"):
+        simulate([[F(0), B(0)], [F(0)]])
+    with pytest.raises(ScheduleError, match="stage 0 runs some F action twice"):
+        simulate([[F(0), F(0), B(0)]])
+    with pytest.raises(ScheduleError, match="at least one stage"):
+        simulate([])
+
+
+def test_every_shipped_schedule_completes():
+    for stages, micro in SIZES:
+        for name in SCHEDULES:
+            placed = simulate(get_schedule(name)(stages, micro), backward_ticks=2)
+            assert [len(slots) for slots in placed] == [2 * micro] * stages
+        if micro % stages == 0:
+            for chunks in (1, 2, 3):
+                placed = simulate(interleaved_1f1b(stages, micro, chunks))
+                assert [len(slots) for slots in placed] == [2 * micro * chunks] * stages
