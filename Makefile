@@ -5,7 +5,7 @@
 
 PYTHON ?= python3
 DEVICES ?=
-STEPS ?= 400
+STEPS ?= 1000
 DATA_DIR ?= $(wildcard ../shared/data)
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 DEVICES_FLAG := $(if $(DEVICES),--devices $(DEVICES),)
@@ -22,7 +22,7 @@ install:
 
 train: install
 	$(PYTHON) -m paratrain train --model gpt --dataset shakespeare --strategy dp \
-		--steps $(STEPS) --global-batch 32 $(DEVICES_FLAG) $(DATA_FLAG)
+		--steps $(STEPS) --global-batch 32 --eval-every 200 $(DEVICES_FLAG) $(DATA_FLAG)
 
 test: install
 	$(PYTHON) -m pytest -q

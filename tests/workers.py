@@ -131,3 +131,54 @@ def pipeline_parity_worker(cases: list[tuple], options: list[dict]) -> list[tupl
     return [
         train_with("pipeline", *case, **option) for case, option in zip(cases, options, strict=True)
     ]
+
+
+def activation_peaks_worker(settings: list[dict]) -> list[int]:
+    """Peak activation bytes of this stage for each pipeline setting (gpt, 4 steps)."""
+    import paratrain
+    from paratrain.models import build_model, loss_for
+
+    peaks = []
+    for option in settings:
+        torch.manual_seed(0)
+        model = build_model("gpt", vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        engine = paratrain.setup(
+            model,
+            optimizer=parity_optimizer("sgd"),
+            loss_fn=loss_for("gpt"),
+            strategy="pipeline",
+            **option,
+        )
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            x = torch.randint(0, 11, (32, 16), generator=generator)
+            engine.train_step(x, x)
+        peaks.append(engine.activation_peak_bytes())
+    return peaks
+
+
+def varying_length_worker() -> tuple[dict, list[float]]:
+    """Sequence length changes between steps (16, then 8, then 12)."""
+    import paratrain
+    from paratrain.models import loss_for
+
+    engine = paratrain.setup(
+        parity_model("gpt"),
+        optimizer=parity_optimizer("adam"),
+        loss_fn=loss_for("gpt"),
+        strategy=os.environ.get("PARATRAIN_TEST_STRATEGY", "pipeline"),
+        **({"stages": 2, "micro_batches": 4} if dist.is_initialized() else {}),
+    )
+    losses = [engine.train_step(x, y).loss for x, y in varying_length_batches()]
+    return engine.state_dict(), losses
+
+
+def varying_length_batches():
+    generator = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randint(0, 11, (8, length), generator=generator),
+            torch.randint(0, 11, (8, length), generator=generator),
+        )
+        for length in (8, 4, 6)
+    ]

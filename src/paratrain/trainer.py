@@ -326,6 +326,15 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
 def _progress_bar(config: TrainConfig, *, enabled: bool):
     if not (enabled and config.progress):
         return None
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(total=config.steps, desc=f"train {config.model}/{config.strategy}", unit="step")
+    # Redrawn in place on a terminal; in a log file, a line every 10 s rather than a flood.
+    interval = 0.2 if sys.stderr.isatty() else 10.0
+    return tqdm(
+        total=config.steps,
+        desc=f"train {config.model}/{config.strategy}",
+        unit="step",
+        mininterval=interval,
+    )

@@ -1,20 +1,25 @@
-"""Moving activations and their gradients between neighbouring pipeline stages.
+"""Moving activations, their gradients and the step's loss between neighbouring stages.
 
-Sends are non-blocking (``isend``) and kept alive until ``flush()``; receives block
-(bounded by the process group's timeout). Messages between two stages are matched in
-the order they were posted, so both sides only need to agree on the order of micro-batches.
+Why receives are posted early: gloo moves a point-to-point message only once the receiver
+has posted its receive, so a receive posted at the moment the data is needed costs a
+round trip through both processes' communication threads, and on a loaded CPU that is
+milliseconds. A stage knows its schedule, so it posts its receives ahead: the activations
+of the next ``window`` micro-batches, and the gradient of each output as soon as the
+output exists. Every message has its own tag (kind and micro-batch), so nothing depends on
+two neighbours posting in the same order. Sends are non-blocking and kept alive until
+``flush()``; every wait is bounded by the process group's timeout.
 
 Shapes: the receiver must allocate before receiving. The first activation of every round
-is preceded by a small header (dtype and shape); all micro-batches of a round share it,
-because they are equal splits of one batch. So shapes may change from one step to the
-next (another sequence length, a smaller last batch) at the cost of one tiny message per
-round and link; gradients need no header, since the stage that receives a gradient
-produced the activation it belongs to.
+is preceded by a small header (dtype and shape) that all micro-batches of the round share,
+since they are equal splits of one batch. So shapes may change from one step to the next
+(another sequence length, a smaller last batch) at the cost of one tiny message per round.
+Gradients need no header: the stage that receives a gradient produced its activation.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from paratrain.runtime import comm
 
@@ -31,6 +36,8 @@ _DTYPES = [
     torch.uint8,
     torch.bool,
 ]
+HEADER_TAG, LOSS_TAG = 1, 2
+_ACTIVATION_TAGS, _GRADIENT_TAGS = 1 << 20, 2 << 20
 
 
 def encode_header(tensor: torch.Tensor) -> torch.Tensor:
@@ -49,32 +56,99 @@ def decode_header(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
 
 
 class StageLink:
-    """Point-to-point messages of one stage with its neighbours."""
+    """Point-to-point messages of one stage with the stage before and the stage after it."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._pending: list[tuple[object, torch.Tensor]] = []
-        self._incoming: tuple[torch.dtype, tuple[int, ...]] | None = None
+    def __init__(
+        self, device: torch.device, *, prev_rank: int | None, next_rank: int | None, window: int
+    ) -> None:
+        self.device, self.prev_rank, self.next_rank = device, prev_rank, next_rank
+        self.window = max(1, window)
+        self._sends: list[tuple[object, torch.Tensor]] = []
+        self._activations: dict[int, tuple[object, torch.Tensor]] = {}
+        self._gradients: dict[int, tuple[object, torch.Tensor]] = {}
+        self._header: tuple[object, torch.Tensor] | None = None
+        self._loss: tuple[object, torch.Tensor] | None = None
+        self._shape: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._micro_batches = 0
+        self._next_to_post = 0
 
-    def send(self, tensor: torch.Tensor, *, dst: int, header: bool = False) -> None:
+    # -- a round -------------------------------------------------------------------------
+
+    def begin_round(self, micro_batches: int, *, expect_loss: bool) -> None:
+        """Post what this round will surely receive first: the header, and the loss."""
+        self._micro_batches, self._next_to_post, self._shape = micro_batches, 0, None
+        if self.prev_rank is not None:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            self._header = (self._irecv(header, self.prev_rank, HEADER_TAG), header)
+        if expect_loss and self.next_rank is not None:
+            loss = torch.empty(1, device=self.device)
+            self._loss = (self._irecv(loss, self.next_rank, LOSS_TAG), loss)
+
+    # -- sending -------------------------------------------------------------------------
+
+    def send_activation(self, tensor: torch.Tensor, micro: int) -> None:
         tensor = tensor.detach().contiguous()
-        if header:
-            encoded = encode_header(tensor).to(self.device)
-            self._pending.append((comm.send_async(encoded, dst=dst), encoded))
-        self._pending.append((comm.send_async(tensor, dst=dst), tensor))
+        if micro == 0:
+            self._isend(encode_header(tensor).to(self.device), self.next_rank, HEADER_TAG)
+        self._isend(tensor, self.next_rank, _ACTIVATION_TAGS + micro)
 
-    def recv_activation(self, *, src: int, header: bool) -> torch.Tensor:
-        if header or self._incoming is None:
-            encoded = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            self._incoming = decode_header(comm.recv_into(encoded, src=src))
-        dtype, shape = self._incoming
-        return comm.recv_into(torch.empty(shape, dtype=dtype, device=self.device), src=src)
+    def send_gradient(self, tensor: torch.Tensor, micro: int) -> None:
+        self._isend(tensor.detach().contiguous(), self.prev_rank, _GRADIENT_TAGS + micro)
 
-    def recv_like(self, reference: torch.Tensor, *, src: int) -> torch.Tensor:
-        return comm.recv_into(torch.empty_like(reference), src=src)
+    def send_loss(self, value: torch.Tensor) -> None:
+        self._isend(value.detach().reshape(1).float().clone(), self.prev_rank, LOSS_TAG)
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def recv_activation(self, micro: int) -> torch.Tensor:
+        if self._shape is None:
+            work, header = self._header
+            work.wait()
+            self._shape = decode_header(header)
+        self._post_activations(upto=micro + self.window)
+        work, buffer = self._activations.pop(micro)
+        work.wait()
+        return buffer
+
+    def expect_gradient(self, micro: int, like: torch.Tensor) -> None:
+        """Post the receive of ``micro``'s output gradient as soon as the output exists."""
+        buffer = torch.empty_like(like)
+        self._gradients[micro] = (
+            self._irecv(buffer, self.next_rank, _GRADIENT_TAGS + micro),
+            buffer,
+        )
+
+    def recv_gradient(self, micro: int) -> torch.Tensor:
+        work, buffer = self._gradients.pop(micro)
+        work.wait()
+        return buffer
+
+    def recv_loss(self) -> torch.Tensor:
+        work, loss = self._loss
+        work.wait()
+        self._loss = None
+        return loss[0]
 
     def flush(self) -> None:
         """Wait until every send has left (their buffers may then be reused)."""
-        for work, _ in self._pending:
+        for work, _ in self._sends:
             work.wait()
-        self._pending.clear()
+        self._sends.clear()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _post_activations(self, *, upto: int) -> None:
+        dtype, shape = self._shape
+        while self._next_to_post < min(upto, self._micro_batches):
+            micro = self._next_to_post
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            work = self._irecv(buffer, self.prev_rank, _ACTIVATION_TAGS + micro)
+            self._activations[micro] = (work, buffer)
+            self._next_to_post += 1
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends.append((comm.send_async(tensor, dst=dst, tag=tag), tensor))
+
+    @staticmethod
+    def _irecv(buffer: torch.Tensor, src: int, tag: int):
+        return dist.irecv(buffer, src=src, tag=tag)

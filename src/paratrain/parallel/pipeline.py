@@ -15,6 +15,7 @@ accumulation rounds x replicas), so the summed gradients are those of the global
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -47,6 +48,9 @@ from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 from paratrain.runtime.memory import ActivationMeter
 from paratrain.runtime.mesh import pipeline_mesh
+
+METER_EVERY = 50
+"""Activation bytes are counted on the first step and every this-many steps after."""
 
 
 def choose_balance(
@@ -141,12 +145,19 @@ class PipelineEngine(RecordsTimeline, Engine):
                 group=self.mesh.dp_group,
                 bucket_bytes=int(bucket_mb * MiB),
                 first_bucket_bytes=int(bucket_mb * MiB),
-                extra_slots=0,
             )
         # A stage may hold only parameter-free layers (an activation, a reshape).
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = optimizer(trainable) if trainable else None
-        self.link = StageLink(self._device)
+        self.link = StageLink(
+            self._device,
+            prev_rank=None if self.mesh.is_first else self.mesh.prev_rank,
+            next_rank=None if self.mesh.is_last else self.mesh.next_rank,
+            window=stages,
+        )
+        self._metering = True
+        self._losses: list[torch.Tensor] = []
+        self._step_loss: torch.Tensor | None = None
         self.activations = ActivationMeter(exclude=list(self.module.parameters()))
         self.events: list[dict[str, Any]] = []
 
@@ -198,20 +209,21 @@ class PipelineEngine(RecordsTimeline, Engine):
             self.optimizer.zero_grad(set_to_none=True)
         share_in = take_share(inputs, self.mesh.replica, replicas)
         share_tgt = take_share(targets, self.mesh.replica, replicas)
-        scale = 1.0 / (rounds * micro * replicas)
-        loss_sum = torch.zeros((), device=self._device)
+        self._metering = self.steps_taken % METER_EVERY == 0
+        self._losses = []
+        self._step_loss = None
         for index, (round_in, round_tgt) in enumerate(
             zip(split_micro(share_in, rounds), split_micro(share_tgt, rounds), strict=True)
         ):
-            loss_sum += self._run_round(round_in, round_tgt, scale, last=index == rounds - 1)
+            self._run_round(round_in, round_tgt, final=index == rounds - 1)
+        loss = self._step_loss
         if self.reducer is not None:
-            self.reducer.finish()
+            loss = self.reducer.finish(extras_count=1)[0]
         if self.optimizer is not None:
             self.optimizer.step()
         self.steps_taken += 1
-        mean_loss = self._share_loss(loss_sum / (rounds * micro))
         return StepStats(
-            loss=mean_loss,
+            loss=float(loss),
             step=self.steps_taken,
             samples=samples,
             comm_bytes=comm.bytes_sent() - bytes_before,
@@ -225,17 +237,22 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.module.eval()
         share_in = split_micro(take_share(inputs, self.mesh.replica, replicas), micro)
         share_tgt = split_micro(take_share(targets, self.mesh.replica, replicas), micro)
-        loss_sum = torch.zeros((), device=self._device)
+        self.link.begin_round(micro, expect_loss=True)
+        losses = []
         for m in range(micro):
-            x = self._stage_input(share_in, m, header=m == 0)
+            x = share_in[m].to(self._device) if self.mesh.is_first else self.link.recv_activation(m)
             y = self.module(x)
             if self.mesh.is_last:
-                loss_sum += self.loss_fn(y, share_tgt[m].to(self._device)).detach()
+                losses.append(self.loss_fn(y, share_tgt[m].to(self._device)).detach())
             else:
-                self.link.send(y, dst=self.mesh.next_rank, header=m == 0)
+                self.link.send_activation(y, m)
+        loss = self._pass_loss_back(lambda: torch.stack(losses).mean())
         self.link.flush()
         self.module.train(was_training)
-        return self._share_loss(loss_sum / micro)
+        if replicas > 1:
+            loss = (loss / replicas).reshape(1)
+            comm.all_reduce_sum(loss, group=self.mesh.dp_group)
+        return float(loss.reshape(-1)[0])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full canonical state on rank 0; on other ranks, their own stage's entries."""
@@ -257,27 +274,22 @@ class PipelineEngine(RecordsTimeline, Engine):
 
     # -- the schedule ---------------------------------------------------------------------
 
-    def _stage_input(self, micro_inputs: list[Any], m: int, *, header: bool) -> torch.Tensor:
-        if self.mesh.is_first:
-            return micro_inputs[m].to(self._device)
-        return self.link.recv_activation(src=self.mesh.prev_rank, header=header)
-
-    def _run_round(self, inputs: Any, targets: Any, scale: float, *, last: bool) -> torch.Tensor:
-        """One pass of the schedule over ``micro_batches`` micro-batches; returns the loss sum."""
+    def _run_round(self, inputs: Any, targets: Any, *, final: bool) -> None:
+        """One pass of the schedule over ``micro_batches`` micro-batches."""
         micro = self.micro_batches
         micro_in = split_micro(inputs, micro) if self.mesh.is_first else []
         micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
+        scale = 1.0 / (self.gradient_accumulation * micro * self.mesh.replicas)
+        self.link.begin_round(micro, expect_loss=final)
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        losses: list[torch.Tensor] = []
         actions = self.actions[self.mesh.stage]
         final_backward = max(i for i, a in enumerate(actions) if a.kind == "B")
         for position, action in enumerate(actions):
             m = action.micro
             if action.kind == "F":
-                start = self._forward(m, micro_in, micro_tgt, held, losses, scale)
+                start = self._forward(m, micro_in, micro_tgt, held, scale)
             else:
-                arm = last and position == final_backward and self.reducer is not None
-                start = self._backward(m, held, arm=arm)
+                start = self._backward(m, held, last=final and position == final_backward)
             self.events.append(
                 {
                     "step": self.steps_taken + 1,
@@ -288,50 +300,65 @@ class PipelineEngine(RecordsTimeline, Engine):
                 }
             )
         self.link.flush()
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self._device)
 
-    def _forward(self, m, micro_in, micro_tgt, held, losses, scale: float) -> float:
+    def _recording(self, m: int):
+        """Count saved activations on sampled steps only (a Python call per saved tensor)."""
+        return self.activations.record(m) if self._metering else nullcontext()
+
+    def _forward(self, m, micro_in, micro_tgt, held, scale: float) -> float:
         """Receive (or take) micro-batch ``m``, run the stage, pass the result on.
 
         Returns when the computation started, after the input arrived, so that waiting for
         a neighbour shows as idle time on the timeline, not as work.
         """
-        x = self._stage_input(micro_in, m, header=m == 0)
+        x = micro_in[m].to(self._device) if self.mesh.is_first else self.link.recv_activation(m)
         start = time.perf_counter()
         if x.is_floating_point() and not self.mesh.is_first:
             x.requires_grad_(True)
-        with self.activations.record(m):
-            if self.recompute:
-                y = checkpoint(self.module, x, use_reentrant=False)
-            else:
-                y = self.module(x)
+        with self._recording(m):
+            y = (
+                checkpoint(self.module, x, use_reentrant=False)
+                if self.recompute
+                else self.module(x)
+            )
             if self.mesh.is_last:
                 loss = self.loss_fn(y, micro_tgt[m].to(self._device))
-                losses.append(loss.detach())
+                self._losses.append(loss.detach())
                 y = loss * scale
         if not self.mesh.is_last:
-            self.link.send(y, dst=self.mesh.next_rank, header=m == 0)
+            self.link.send_activation(y, m)
+            self.link.expect_gradient(m, y)
         held[m] = (x, y)
         return start
 
-    def _backward(self, m, held, *, arm: bool) -> float:
-        """Backward of micro-batch ``m`` once its output gradient arrived; send the input's."""
+    def _backward(self, m, held, *, last: bool) -> float:
+        """Backward of micro-batch ``m`` once its output gradient arrived; send the input's.
+
+        The step's last backward also passes the step's loss towards stage 0 and arms the
+        gradient all-reduce across replicas, whose extra slot averages that loss too.
+        """
         x, y = held.pop(m)
-        grad = None if self.mesh.is_last else self.link.recv_like(y, src=self.mesh.next_rank)
+        grad = None if self.mesh.is_last else self.link.recv_gradient(m)
+        if last:
+            self._step_loss = self._pass_loss_back(
+                lambda: torch.stack(self._losses).sum() / len(self._losses)
+            )
+            if self.reducer is not None:
+                self.reducer.arm(extras=self._step_loss / self.mesh.replicas)
         start = time.perf_counter()
-        if arm:  # the last backward of the step: let the gradient all-reduce start
-            self.reducer.arm()
-        with self.activations.record(m):
+        with self._recording(m):
             if y.requires_grad:
                 y.backward(grad)
-        self.activations.release(m)
+        if self._metering:
+            self.activations.release(m)
         if not self.mesh.is_first:
-            self.link.send(x.grad, dst=self.mesh.prev_rank)
+            self.link.send_gradient(x.grad, m)
         return start
 
-    def _share_loss(self, local: torch.Tensor) -> float:
-        """The last stages' mean loss, averaged over replicas, on every rank."""
-        value = (local if self.mesh.is_last else torch.zeros_like(local)).reshape(1)
-        value = value / self.mesh.replicas
-        comm.all_reduce_sum(value)
-        return float(value[0])
+    def _pass_loss_back(self, compute) -> torch.Tensor:
+        """The last stage computes the loss; every other stage hears it from the next one
+        and passes it on, so every rank knows it without a collective of its own."""
+        loss = compute() if self.mesh.is_last else self.link.recv_loss()
+        if not self.mesh.is_first:
+            self.link.send_loss(loss)
+        return loss

@@ -1,0 +1,211 @@
+"""Pipeline behaviour beyond parity: memory by schedule, shapes, refusals, the CLI and report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import paratrain
+from paratrain.cli import main
+from paratrain.models import build_model
+from paratrain.parallel.layers import LayerListError, LayerSlice, layer_list
+from paratrain.parallel.p2p import decode_header, encode_header
+from tests import workers
+from tests.test_cli_train import SHARED_DATA
+from tests.test_parity_dp import TOLERANCE, relative_error
+
+
+def test_layer_slice_maps_names_both_ways():
+    part = LayerSlice(3, 5, "layers.")
+    assert part.canonical("0.weight") == "layers.3.weight"
+    assert part.canonical("1.attn.qkv.weight") == "layers.4.attn.qkv.weight"
+    assert part.local("layers.4.bias") == "1.bias"
+    assert part.local("layers.5.bias") is None and part.local("head.weight") is None
+
+
+def test_layer_list_accepts_sequential_or_layers_attribute_and_refuses_others():
+    seq = nn.Sequential(nn.Linear(2, 2))
+    assert layer_list(seq) == (seq, "")
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(2, 2))
+
+    wrapped = Wrapped()
+    assert layer_list(wrapped) == (wrapped.layers, "layers.")
+    with pytest.raises(LayerListError, match="rewrite the model as nn.Sequential"):
+        layer_list(nn.Linear(2, 2))
+
+
+def test_activation_header_round_trip():
+    tensor = torch.zeros(3, 5, 7, dtype=torch.bfloat16)
+    assert decode_header(encode_header(tensor)) == (torch.bfloat16, (3, 5, 7))
+
+
+@pytest.mark.slow
+def test_1f1b_holds_fewer_activations_than_gpipe_and_recompute_fewer_still():
+    settings = [
+        {"stages": 2, "micro_batches": 8, "schedule": "gpipe"},
+        {"stages": 2, "micro_batches": 8, "schedule": "1f1b"},
+        {"stages": 2, "micro_batches": 8, "schedule": "1f1b", "recompute": True},
+    ]
+    results = paratrain.launch(workers.activation_peaks_worker, devices=2, args=(settings,))
+    gpipe, one_f_one_b, recompute = results[0]  # stage 0: 8 vs 2 micro-batches in flight
+    assert one_f_one_b < 0.4 * gpipe, (gpipe, one_f_one_b)
+    assert recompute < 0.6 * one_f_one_b, (one_f_one_b, recompute)
+    last_gpipe, last_1f1b, _ = results[1]  # the last stage holds one micro-batch under 1F1B
+    assert last_1f1b < 0.3 * last_gpipe
+
+
+@pytest.mark.slow
+def test_shapes_may_change_between_steps(monkeypatch):
+    results = paratrain.launch(workers.varying_length_worker, devices=2)
+    monkeypatch.setenv("PARATRAIN_TEST_STRATEGY", "single")
+    reference_state, reference_losses = workers.varying_length_worker()
+    state, losses = results[0]
+    assert relative_error(state, reference_state) <= TOLERANCE
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+
+
+def test_more_stages_than_layers_is_refused_before_workers_start(tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            "--no-progress",
+            "--model",
+            "mlp",
+            "--dataset",
+            "synthetic",
+            "--depth",
+            "1",
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "5",
+            "--devices",
+            "5",
+            "--global-batch",
+            "40",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "the model has 4 layers, so it cannot be split into 5 stages" in err
+
+
+def test_balance_that_does_not_add_up_is_refused(tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            "--no-progress",
+            "--model",
+            "mlp",
+            "--dataset",
+            "synthetic",
+            "--depth",
+            "1",
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "2",
+            "--devices",
+            "2",
+            "--balance",
+            "1,2",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 2
+    assert "make the entries add up to 4" in capsys.readouterr().err
+
+
+def test_stages_that_do_not_divide_the_workers_are_refused(tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            "--no-progress",
+            "--model",
+            "mlp",
+            "--dataset",
+            "synthetic",
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "3",
+            "--devices",
+            "4",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 2
+    assert "3 pipeline stages do not divide 4 workers evenly" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data (tinyshakespeare) is absent")
+def test_cli_pipeline_run_then_report_draws_the_timeline(tmp_path, capsys):
+    run_dir = tmp_path / "pipe"
+    code = main(
+        [
+            "train",
+            "--no-progress",
+            "--model",
+            "gpt",
+            "--dataset",
+            "shakespeare",
+            "--data-dir",
+            str(SHARED_DATA),
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "4",
+            "--schedule",
+            "1f1b",
+            "--devices",
+            "2",
+            "--steps",
+            "4",
+            "--global-batch",
+            "8",
+            "--n-layer",
+            "2",
+            "--n-embd",
+            "32",
+            "--block-size",
+            "16",
+            "--eval-every",
+            "2",
+            "--sample-chars",
+            "10",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "strategy pipeline" in out and "parameters held   worker 0:" in out
+    full = build_model("gpt", vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    assert set(paratrain_checkpoint(run_dir)) == set(full.state_dict())
+    assert main(["report", str(run_dir)]) == 0
+    report = capsys.readouterr().out
+    assert "theoretical bubble  20.0%" in report and "measured bubble" in report
+    assert (run_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((run_dir / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert len(spans) == 4 * 2 * 4 * 2  # steps x stages x micro-batches x (F, B)
+
+
+def paratrain_checkpoint(run_dir):
+    from paratrain.checkpoint import load_model_state
+
+    return load_model_state(run_dir / "final")
