@@ -33,6 +33,7 @@ lint: install
 
 bench: install
 	$(PYTHON) benchmarks/bench_dp.py
+	$(PYTHON) benchmarks/bench_pipeline.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache build src/*.egg-info

@@ -46,8 +46,8 @@ MODELS = {
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def make_batches(name: str, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    spec, generator = MODELS[name], torch.Generator().manual_seed(0)
+def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
     batch = spec["global_batch"]
     out = []
     for _ in range(count):
@@ -57,14 +57,14 @@ def make_batches(name: str, count: int) -> list[tuple[torch.Tensor, torch.Tensor
             y = torch.randint(0, vocab, (batch, block), generator=generator)
         else:
             x = torch.randn(batch, spec["options"]["in_features"], generator=generator)
-            y = torch.randint(0, 10, (batch,), generator=generator)
+            y = torch.randint(0, spec["options"]["classes"], (batch,), generator=generator)
         out.append((x, y))
     return out
 
 
-def fresh_model(name: str) -> nn.Sequential:
+def fresh_model(name: str, spec: dict) -> nn.Sequential:
     torch.manual_seed(0)
-    return build_model(name, **MODELS[name]["options"])
+    return build_model(name, **spec["options"])
 
 
 def sgd(params):
@@ -72,9 +72,9 @@ def sgd(params):
 
 
 class ParatrainRunner:
-    def __init__(self, name: str, stages: int, micro: int, schedule: str) -> None:
+    def __init__(self, name: str, spec: dict, stages: int, micro: int, schedule: str) -> None:
         self.engine = paratrain.setup(
-            fresh_model(name),
+            fresh_model(name, spec),
             optimizer=sgd,
             loss_fn=loss_for(name),
             strategy="pipeline",
@@ -90,12 +90,14 @@ class ParatrainRunner:
 class TorchRunner:
     """torch.distributed.pipelining on the same split, micro-batches and loss."""
 
-    def __init__(self, name: str, balance: list[int], micro: int, schedule: str) -> None:
+    def __init__(
+        self, name: str, spec: dict, balance: list[int], micro: int, schedule: str
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         rank, stages = dist.get_rank(), len(balance)
         start = sum(balance[:rank])
-        layers = fresh_model(name)
+        layers = fresh_model(name, spec)
         module = nn.Sequential(*[layers[i] for i in range(start, start + balance[rank])])
         self.module = module
         self.optimizer = sgd(module.parameters())
@@ -115,15 +117,17 @@ class TorchRunner:
         self.optimizer.step()
 
 
-def bench_worker(name: str, schedule: str, rounds: int, steps: int, run_dir: str) -> dict:
+def bench_worker(
+    name: str, spec: dict, schedule: str, rounds: int, steps: int, run_dir: str
+) -> dict:
     stages = dist.get_world_size()
     micro = 4 * stages
-    ours = ParatrainRunner(name, stages, micro, schedule)
+    ours = ParatrainRunner(name, spec, stages, micro, schedule)
     runners = {
         "paratrain": ours,
-        "torch": TorchRunner(name, ours.engine.balance, micro, schedule),
+        "torch": TorchRunner(name, spec, ours.engine.balance, micro, schedule),
     }
-    batches = make_batches(name, steps)
+    batches = make_batches(name, spec, steps)
     times: dict[str, list[float]] = {key: [] for key in runners}
     for runner in runners.values():
         for x, y in batches[:2]:
@@ -141,17 +145,25 @@ def bench_worker(name: str, schedule: str, rounds: int, steps: int, run_dir: str
     return {
         "median_s": {key: statistics.median(v) for key, v in times.items()},
         "balance": ours.engine.balance,
+        "activation_peak": ours.engine.activation_peak_bytes(),
     }
 
 
 def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> dict:
+    # The spec travels with the call: spawned workers re-import this module afresh.
+    spec = MODELS[name]
     with tempfile.TemporaryDirectory() as run_dir:
         results = paratrain.launch(
-            bench_worker, devices=stages, args=(name, schedule, rounds, steps, run_dir)
+            bench_worker, devices=stages, args=(name, spec, schedule, rounds, steps, run_dir)
         )
         bubble = measured_bubble(read_timeline(Path(run_dir) / "timeline.jsonl"))
     median = {key: max(r["median_s"][key] for r in results) for key in results[0]["median_s"]}
-    return {"median": median, "bubble": bubble, "balance": results[0]["balance"]}
+    return {
+        "median": median,
+        "bubble": bubble,
+        "balance": results[0]["balance"],
+        "activation_peak": [r["activation_peak"] for r in results],
+    }
 
 
 def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
@@ -182,6 +194,7 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
                     "bubble_measured": bubble,
                     "bubble_theory": theory,
                     "bubble_ratio": bubble / theory,
+                    "activation_peak_bytes": runs[0]["activation_peak"],
                 }
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -190,8 +203,9 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
 
 HEADER = (
     "| model | stages x micro | schedule | torch ms | paratrain ms | paratrain samples/s "
-    "| paratrain/torch (range) | bubble measured | bubble theory | measured/theory |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| paratrain/torch (range) | bubble measured | bubble theory | measured/theory "
+    "| activation peak per stage (MiB) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -203,7 +217,8 @@ def format_row(row: dict) -> str:
         f"| {ms['torch']} | {ms['paratrain']} | {row['samples_per_s']['paratrain']:.0f} "
         f"| {row['paratrain_over_torch']:.2f} ({low:.2f}-{high:.2f}) "
         f"| {row['bubble_measured']:.1%} | {row['bubble_theory']:.1%} "
-        f"| {row['bubble_ratio']:.2f} |"
+        f"| {row['bubble_ratio']:.2f} "
+        f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} |"
     )
 
 

@@ -61,6 +61,14 @@ def format_bytes(count: float) -> str:
     return f"{count:,.3g} GiB"
 
 
+def _per_worker(label: str, values: list) -> list[str]:
+    """One summary line of per-worker byte counts; none where the engine does not measure it."""
+    if any(value is None for value in values):
+        return []
+    joined = ", ".join(f"worker {rank}: {format_bytes(value)}" for rank, value in enumerate(values))
+    return [f"  {label:<18}{joined}"]
+
+
 def format_summary(result) -> str:
     """The closing summary a user reads after ``paratrain train``."""
     config = result.config
@@ -71,17 +79,11 @@ def format_summary(result) -> str:
     ]
     if result.final_eval_loss is not None:
         lines.append(f"  final eval loss   {result.final_eval_loss:.4f}")
-    lines += [
-        f"  throughput        {result.samples_per_s:,.1f} samples/s",
-        "  peak memory       "
-        + ", ".join(
-            f"worker {r}: {format_bytes(b)}" for r, b in enumerate(result.peak_memory_bytes)
-        ),
-        "  parameters held   "
-        + ", ".join(f"worker {r}: {format_bytes(b)}" for r, b in enumerate(result.parameter_bytes)),
-        f"  checkpoint        {result.checkpoint}",
-        f"  metrics           {result.metrics}",
-    ]
+    lines.append(f"  throughput        {result.samples_per_s:,.1f} samples/s")
+    lines += _per_worker("peak memory", result.peak_memory_bytes)
+    lines += _per_worker("parameters held", result.parameter_bytes)
+    lines += _per_worker("activations peak", result.activation_peak_bytes)
+    lines += [f"  checkpoint        {result.checkpoint}", f"  metrics           {result.metrics}"]
     if result.sample_text is not None:
         lines += ["  sample:", *("    " + line for line in result.sample_text.splitlines())]
     return "\n".join(lines)

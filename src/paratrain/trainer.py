@@ -54,6 +54,7 @@ class RunResult:
     samples_per_s: float
     peak_memory_bytes: list[int]
     parameter_bytes: list[int]
+    activation_peak_bytes: list[int | None]
     checkpoint: Path
     metrics: Path
     sample_text: str | None = None
@@ -195,6 +196,7 @@ def fit(config: TrainConfig) -> RunResult:
         samples_per_s=lead["samples_per_s"],
         peak_memory_bytes=[r["peak_memory_bytes"] for r in reports],
         parameter_bytes=[r["parameter_bytes"] for r in reports],
+        activation_peak_bytes=[r["activation_peak_bytes"] for r in reports],
         checkpoint=Path(lead["checkpoint"]),
         metrics=Path(lead["metrics"]),
     )
@@ -314,6 +316,9 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
         "samples_per_s": timed_samples / total if timed_samples else 0.0,
         "peak_memory_bytes": peak_memory_bytes(engine.device),
         "parameter_bytes": engine.parameter_bytes,
+        "activation_peak_bytes": (
+            engine.activation_peak_bytes() if isinstance(engine, RecordsTimeline) else None
+        ),
         "checkpoint": str(checkpoint),
         "metrics": str(Path(run_dir) / "metrics.jsonl"),
     }
