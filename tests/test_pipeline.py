@@ -71,82 +71,28 @@ def test_shapes_may_change_between_steps(monkeypatch):
     assert losses == pytest.approx(reference_losses, rel=1e-5)
 
 
-def test_more_stages_than_layers_is_refused_before_workers_start(tmp_path, capsys):
-    code = main(
-        [
-            "train",
-            "--no-progress",
-            "--model",
-            "mlp",
-            "--dataset",
-            "synthetic",
-            "--depth",
-            "1",
-            "--strategy",
-            "pipeline",
-            "--stages",
-            "5",
-            "--devices",
-            "5",
-            "--global-batch",
-            "40",
-            "--run-dir",
-            str(tmp_path),
-        ]
-    )
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--depth", "1", "--stages", "5", "--devices", "5", "--global-batch", "40"],
+            "the model has 4 layers, so it cannot be split into 5 stages",
+        ),
+        (
+            ["--depth", "1", "--stages", "2", "--devices", "2", "--balance", "1,2"],
+            "make the entries add up to 4",
+        ),
+        (
+            ["--stages", "3", "--devices", "4"],
+            "3 pipeline stages do not divide 4 workers evenly",
+        ),
+    ],
+)
+def test_impossible_pipelines_are_refused_before_workers_start(tmp_path, capsys, flags, message):
+    common = ["train", "--no-progress", "--model", "mlp", "--dataset", "synthetic"]
+    code = main([*common, "--strategy", "pipeline", *flags, "--run-dir", str(tmp_path)])
     assert code == 2
-    err = capsys.readouterr().err
-    assert "the model has 4 layers, so it cannot be split into 5 stages" in err
-
-
-def test_balance_that_does_not_add_up_is_refused(tmp_path, capsys):
-    code = main(
-        [
-            "train",
-            "--no-progress",
-            "--model",
-            "mlp",
-            "--dataset",
-            "synthetic",
-            "--depth",
-            "1",
-            "--strategy",
-            "pipeline",
-            "--stages",
-            "2",
-            "--devices",
-            "2",
-            "--balance",
-            "1,2",
-            "--run-dir",
-            str(tmp_path),
-        ]
-    )
-    assert code == 2
-    assert "make the entries add up to 4" in capsys.readouterr().err
-
-
-def test_stages_that_do_not_divide_the_workers_are_refused(tmp_path, capsys):
-    code = main(
-        [
-            "train",
-            "--no-progress",
-            "--model",
-            "mlp",
-            "--dataset",
-            "synthetic",
-            "--strategy",
-            "pipeline",
-            "--stages",
-            "3",
-            "--devices",
-            "4",
-            "--run-dir",
-            str(tmp_path),
-        ]
-    )
-    assert code == 2
-    assert "3 pipeline stages do not divide 4 workers evenly" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow

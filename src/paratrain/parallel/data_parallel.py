@@ -30,7 +30,6 @@ from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
 from paratrain.runtime import comm
-from paratrain.runtime.devices import current_device
 
 
 def require_process_group(strategy: str) -> None:
@@ -82,7 +81,6 @@ class DataParallelEngine(Engine):
         self.group = group
         self._replicas = comm.world_size(group)
         self._replica_rank = comm.rank(group)
-        self._device = current_device()
         self.model = model.to(self._device)
         comm.broadcast_tensors(
             [*self.model.parameters(), *self.model.buffers()], src=0, group=group
@@ -96,14 +94,6 @@ class DataParallelEngine(Engine):
                 first_bucket_bytes=int(first_bucket_mb * MiB),
             )
         self.optimizer = optimizer(self.model.parameters())
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return comm.rank()
 
     @property
     def world_size(self) -> int:

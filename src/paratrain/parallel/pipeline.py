@@ -45,7 +45,6 @@ from paratrain.parallel.strategy import (
     register,
 )
 from paratrain.runtime import comm
-from paratrain.runtime.devices import current_device
 from paratrain.runtime.memory import ActivationMeter
 from paratrain.runtime.mesh import pipeline_mesh
 
@@ -129,7 +128,6 @@ class PipelineEngine(RecordsTimeline, Engine):
         )
         start, end = stage_bounds(self.balance)[self.mesh.stage]
         self.slice = LayerSlice(start, end, prefix)
-        self._device = current_device()
         for index, layer in enumerate(layers):
             if not start <= index < end:
                 layer.to("meta")  # frees the memory of layers other stages own
@@ -162,14 +160,6 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.events: list[dict[str, Any]] = []
 
     # -- Engine interface ---------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return comm.rank()
 
     @property
     def world_size(self) -> int:

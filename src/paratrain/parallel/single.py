@@ -14,7 +14,6 @@ from torch import nn
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
 from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
-from paratrain.runtime.devices import current_device
 
 
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -37,13 +36,8 @@ class SingleDeviceEngine(Engine):
         super().__init__(
             model, optimizer=optimizer, loss_fn=loss_fn, gradient_accumulation=gradient_accumulation
         )
-        self._device = current_device()
         self.model = model.to(self._device)
         self.optimizer = optimizer(self.model.parameters())
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)

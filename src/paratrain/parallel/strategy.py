@@ -16,6 +16,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from paratrain.runtime import comm
+from paratrain.runtime.devices import current_device
+
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -67,11 +70,12 @@ class Engine(ABC):
         self.loss_fn = loss_fn
         self.gradient_accumulation = gradient_accumulation
         self.steps_taken = 0
+        self._device = current_device()
 
     @property
-    @abstractmethod
     def device(self) -> torch.device:
-        """Where this worker computes."""
+        """Where this worker computes: its own GPU under NCCL, else the CPU."""
+        return self._device
 
     @property
     def parameter_bytes(self) -> int:
@@ -80,8 +84,8 @@ class Engine(ABC):
 
     @property
     def rank(self) -> int:
-        """This worker's rank in the whole job."""
-        return 0
+        """This worker's rank in the whole job (0 outside one)."""
+        return comm.rank()
 
     @property
     def world_size(self) -> int:
