@@ -182,3 +182,45 @@ def varying_length_batches():
         )
         for length in (8, 4, 6)
     ]
+
+
+def checkpoint_phase(
+    strategy: str,
+    options: dict,
+    kind: str,
+    optimizer: str,
+    steps: tuple[int, int],
+    load_from: str | None,
+    save_to: str | None,
+) -> tuple[dict, list[float]]:
+    """Train steps [start, end) of the parity batches, resuming from and saving checkpoints."""
+    import paratrain
+    from paratrain.models import loss_for
+
+    engine = paratrain.setup(
+        parity_model(kind),
+        optimizer=parity_optimizer(optimizer),
+        loss_fn=loss_for("gpt" if kind == "gpt" else "mlp"),
+        strategy=strategy,
+        **options,
+    )
+    if load_from:
+        engine.load_checkpoint(load_from)
+        assert engine.steps_taken == steps[0], (engine.steps_taken, steps)
+    start, end = steps
+    losses = [engine.train_step(x, y).loss for x, y in parity_batches(kind)[start:end]]
+    if save_to:
+        engine.save_checkpoint(save_to, metadata={"phase": strategy})
+    return engine.state_dict(), losses
+
+
+def skip_a_collective() -> int:
+    """Rank 1 skips the second all-reduce and idles; the others must fail, naming it."""
+    from paratrain.runtime import comm
+
+    value = torch.ones(4)
+    comm.all_reduce_sum(value)
+    if dist.get_rank() != 1:
+        comm.all_reduce_sum(value)
+    time.sleep(60)
+    return dist.get_rank()

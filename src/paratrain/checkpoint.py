@@ -1,8 +1,18 @@
-"""Canonical checkpoints: safetensors files plus a JSON manifest, written atomically.
+"""Canonical checkpoints: safetensors shards plus a JSON manifest, written atomically.
 
-Names are the single-device model's own keys (never a ``module.`` prefix), so any
-strategy, or plain PyTorch, can load what any strategy saved. Nothing here ever unpickles:
-tensors are safetensors, metadata is JSON. A checkpoint folder is assembled under a
+Layout of a checkpoint folder::
+
+    manifest.json            format, version, the layout it was saved from, step, metadata,
+                             optimizer hyperparameters, and a sha256 per file
+    model-<rank>.safetensors model tensors in canonical names (the single-device model's keys)
+    optim-<rank>.safetensors optimizer state as "<parameter name>/<state key>"
+    rng-<rank>.safetensors   each worker's random-number-generator state
+
+Every worker that owns a distinct part of the state writes its own shard (a dp replica's
+copy is written once, each pipeline stage writes its layers), so no worker has to hold the
+whole model. Readers open shards lazily and take only the names they need, which is what
+makes a checkpoint load at any device count and under any strategy. Nothing here ever
+unpickles: tensors are safetensors, everything else is JSON. The folder is assembled under a
 temporary name and renamed into place, so a crash mid-save never leaves a half-written
 checkpoint where a good one was.
 """
@@ -13,23 +23,25 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 FORMAT_NAME = "paratrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-MODEL_FILE = "model.safetensors"
+KINDS = ("model", "optim", "rng")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it is; the message names the file and the fault."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -37,39 +49,137 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_write(path: Path, text: str) -> None:
+def shard_name(kind: str, rank: int) -> str:
+    return f"{kind}-{rank}.safetensors"
+
+
+def staging_dir(directory: str | Path) -> Path:
+    """Where a checkpoint is assembled before the rename; the same for every worker."""
+    directory = Path(directory)
+    return directory.parent / f".{directory.name}.partial"
+
+
+def write_shard(folder: Path, kind: str, rank: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write one shard file; returns its manifest entry (sha256 and size)."""
+    path = folder / shard_name(kind, rank)
+    save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path))
+    return {"sha256": file_sha256(path), "bytes": path.stat().st_size, "kind": kind}
+
+
+def publish(directory: str | Path, manifest: dict[str, Any]) -> Path:
+    """Write the manifest into the staging folder and rename it into place, atomically."""
+    directory = Path(directory)
+    staging = staging_dir(directory)
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **manifest}
+    path = staging / MANIFEST
     with path.open("w") as handle:
-        handle.write(text)
+        handle.write(json.dumps(manifest, indent=2, sort_keys=True))
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def save_model_state(
-    directory: str | Path, state: dict[str, torch.Tensor], *, metadata: dict[str, Any] | None = None
-) -> Path:
-    """Write ``state`` (canonical keys) as a checkpoint folder; replaces any old one."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.partial-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    save_file(tensors, str(staging / MODEL_FILE))
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "files": {MODEL_FILE: _sha256(staging / MODEL_FILE)},
-        "metadata": metadata or {},
-    }
-    _fsync_write(staging / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-    retired = directory.parent / f".{directory.name}.old-{os.getpid()}"
+    retired = directory.parent / f".{directory.name}.old"
+    if retired.exists():
+        shutil.rmtree(retired)
     if directory.exists():
         os.replace(directory, retired)
     os.replace(staging, directory)
     if retired.exists():
         shutil.rmtree(retired)
     return directory
+
+
+def prepare_staging(directory: str | Path) -> Path:
+    """An empty staging folder (a leftover from a crashed save is discarded)."""
+    staging = staging_dir(directory)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def save_model_state(
+    directory: str | Path,
+    state: dict[str, torch.Tensor],
+    *,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """A model-only checkpoint from one process (what ``ckpt export`` reads back)."""
+    staging = prepare_staging(directory)
+    entry = write_shard(staging, "model", 0, state)
+    return publish(
+        directory,
+        {
+            "layout": {"strategy": "single", "world_size": 1},
+            "step": (metadata or {}).get("step", 0),
+            "metadata": metadata or {},
+            "files": {shard_name("model", 0): entry},
+            "optimizer": None,
+        },
+    )
+
+
+class Checkpoint:
+    """A verified checkpoint folder, read lazily by tensor name."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        self._verify_files()
+        self._index: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
+        for name, entry in self.manifest["files"].items():
+            with safe_open(str(self.directory / name), framework="pt") as handle:
+                for key in handle.keys():
+                    self._index[entry["kind"]][key] = name
+
+    def _verify_files(self) -> None:
+        for name, entry in self.manifest["files"].items():
+            path = self.directory / name
+            if not path.exists():
+                raise CheckpointError(f"{path} is missing from the checkpoint.")
+            if path.stat().st_size != entry["bytes"]:
+                raise CheckpointError(
+                    f"{path} is truncated or was changed after saving ({path.stat().st_size} "
+                    f"bytes, the manifest says {entry['bytes']})."
+                )
+            actual = file_sha256(path)
+            if actual != entry["sha256"]:
+                raise CheckpointError(
+                    f"{path} is damaged or was changed after saving (sha256 {actual[:12]}..., "
+                    f"the manifest says {entry['sha256'][:12]}...)."
+                )
+            try:
+                with safe_open(str(path), framework="pt"):
+                    pass
+            except Exception as error:  # safetensors raises its own error types
+                raise CheckpointError(
+                    f"{path} is not a readable safetensors file: {error}."
+                ) from None
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest.get("step", 0))
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest.get("metadata", {})
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._index[kind])
+
+    def tensor(self, kind: str, name: str) -> torch.Tensor:
+        file = self._index[kind].get(name)
+        if file is None:
+            raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
+        with safe_open(str(self.directory / file), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def tensors(
+        self, kind: str, names: list[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names(kind) if names is None else names:
+            yield name, self.tensor(kind, name)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors("model"))
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
@@ -81,9 +191,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is missing; {directory} is not a paratrain checkpoint."
         ) from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is damaged (not valid JSON: {error}).") from None
-    if manifest.get("format") != FORMAT_NAME:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path} is not a paratrain checkpoint manifest.")
     if manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(
@@ -94,17 +204,5 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 
 def load_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """A plain model state dict from a checkpoint folder, after verifying its checksum."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    expected = manifest["files"].get(MODEL_FILE)
-    path = directory / MODEL_FILE
-    if expected is None or not path.exists():
-        raise CheckpointError(f"{path} is missing from the checkpoint.")
-    actual = _sha256(path)
-    if actual != expected:
-        raise CheckpointError(
-            f"{path} is damaged or was changed after saving (checksum {actual[:12]}..., "
-            f"manifest says {expected[:12]}...)."
-        )
-    return load_file(str(path))
+    """A plain model state dict (canonical names) for ``model.load_state_dict``, verified."""
+    return Checkpoint(directory).model_state()

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import MISSING, fields
 
+from paratrain.checkpoint import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
 from paratrain.runtime.launch import WorkerError
 from paratrain.timeline import TimelineError
@@ -49,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", help="the run's folder (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="where to write pictures (default: run_dir)")
+    ckpt = commands.add_parser("ckpt", help="look into or convert a checkpoint")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = ckpt_commands.add_parser("inspect", help="verify a checkpoint and list its contents")
+    inspect.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
+    export = ckpt_commands.add_parser(
+        "export", help="write the model as one plain state-dict file (.safetensors or .pt)"
+    )
+    export.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
+    export.add_argument("out", help="output file, e.g. model.safetensors or model.pt")
     return parser
 
 
@@ -127,7 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "report":
             return _report(args)
-    except (ConfigError, TimelineError) as error:
+        if args.command == "ckpt":
+            from paratrain.checkpoint_cli import export_command, inspect_command
+
+            return (inspect_command if args.ckpt_command == "inspect" else export_command)(args)
+    except (ConfigError, TimelineError, CheckpointError) as error:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:

@@ -78,6 +78,16 @@ class TrainConfig:
     timeout: float = field(default=300.0, metadata={"help": "seconds any collective may wait"})
     sample_chars: int = field(default=200, metadata={"help": "generated text at the end (gpt)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "steps between checkpoints (0: only the final one)"}
+    )
+    keep_checkpoints: int = field(default=3, metadata={"help": "periodic checkpoints kept"})
+    resume: str | None = field(
+        default=None, metadata={"help": "run folder or checkpoint to continue from"}
+    )
+    max_restarts: int = field(
+        default=0, metadata={"help": "restarts from the last checkpoint after a worker fails"}
+    )
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -90,6 +100,9 @@ class TrainConfig:
             ("eval_every", 0),
             ("sample_chars", 0),
             ("stages", 1),
+            ("checkpoint_every", 0),
+            ("keep_checkpoints", 1),
+            ("max_restarts", 0),
         ):
             value = getattr(self, name)
             if value < minimum:

@@ -10,6 +10,10 @@ summary, including a text sample generated from the saved checkpoint for ``gpt``
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,7 +23,7 @@ from typing import Any
 import torch
 
 import paratrain
-from paratrain.checkpoint import save_model_state
+from paratrain.checkpoint import MANIFEST, read_manifest
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
 from paratrain.models import MODEL_NAMES, build_model, loss_for
@@ -30,7 +34,7 @@ from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
-from paratrain.runtime.launch import default_device_count
+from paratrain.runtime.launch import WorkerError, default_device_count
 from paratrain.runtime.mesh import check_degrees
 
 _TOKEN_MODELS = ("gpt",)
@@ -175,15 +179,17 @@ def fit(config: TrainConfig) -> RunResult:
     bundle = load_data(config)
     check_pairing(config, bundle)
     check_layers(config, bundle)
-    run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config)
+    resume_from = find_checkpoint(config.resume) if config.resume else None
+    if resume_from and read_manifest(resume_from).get("step", 0) >= config.steps:
+        raise ConfigError(
+            f"{resume_from} is already at step {read_manifest(resume_from)['step']}; "
+            f"pass --steps above that to train further."
+        )
+    run_dir = Path(config.run_dir) if config.run_dir else None
+    if run_dir is None:
+        run_dir = run_dir_of(resume_from) if resume_from else default_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    reports = paratrain.launch(
-        train_worker,
-        devices=devices,
-        args=(config, str(run_dir)),
-        backend=config.backend,
-        timeout_s=config.timeout,
-    )
+    reports = _launch_with_restarts(config, devices, run_dir, resume_from)
     if isinstance(reports, dict):  # inside torchrun: this rank's report only
         reports = [reports]
     lead = reports[0]
@@ -245,13 +251,96 @@ def write_timeline(engine, run_dir: str) -> None:
             handle.write(json.dumps(part["peak"]) + "\n")
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint to resume from: ``path`` itself, or the newest one in a run folder."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(
+            f"{path} holds no checkpoint (no manifest.json, no checkpoints/step-*, no final/); "
+            "pass a run folder written with --checkpoint-every or a checkpoint folder."
+        )
+    return latest
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run: periodic ones, then the final one."""
+    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
+    if (run_dir / "final" / MANIFEST).exists():
+        candidates.append(run_dir / "final")
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: read_manifest(p).get("step", 0))
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run folder a checkpoint belongs to (``RUN/final`` or ``RUN/checkpoints/step-N``)."""
+    return (
+        checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    )
+
+
+def _launch_with_restarts(config: TrainConfig, devices: int, run_dir: Path, resume_from):
+    """Launch the workers; after a failure, relaunch from the newest checkpoint, up to
+    ``max_restarts`` times.
+
+    A restart is a fresh launch rather than torch's elastic agent: our workers are started
+    by ``paratrain.launch`` (or torchrun, which has its own ``--max-restarts``), and the
+    checkpoint is what carries the state across, so a new set of processes is all it takes.
+    """
+    attempt = 0
+    while True:
+        try:
+            return paratrain.launch(
+                train_worker,
+                devices=devices,
+                args=(config, str(run_dir), str(resume_from) if resume_from else None, attempt),
+                backend=config.backend,
+                timeout_s=config.timeout,
+            )
+        except WorkerError as error:
+            if attempt >= config.max_restarts:
+                raise
+            attempt += 1
+            resume_from = latest_checkpoint(run_dir)
+            where = f"checkpoint {resume_from}" if resume_from else "the start"
+            print(
+                f"paratrain: worker {error.rank} failed; restarting from {where} "
+                f"(restart {attempt} of {config.max_restarts}).\n{error.details.strip()}",
+                file=sys.stderr,
+            )
+
+
+def _inject_fault(step: int, attempt: int) -> None:
+    """Fault injection for tests and drills: PARATRAIN_FAULT="kill:<rank>:<step>" SIGKILLs
+    that worker at that step, on the first attempt only (a restart then runs clean)."""
+    fault = os.environ.get("PARATRAIN_FAULT", "")
+    if attempt == 0 and fault == f"kill:{comm.rank()}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _checkpoint_metadata(config: TrainConfig, loader: GlobalBatchLoader) -> dict[str, Any]:
+    return {"config": as_dict(config), "data": loader.state_dict()}
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    """Keep the newest ``keep`` periodic checkpoints."""
+    periodic = sorted((run_dir / "checkpoints").glob("step-*"))
+    for old in periodic[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _evaluate(engine, loader: GlobalBatchLoader, count: int) -> float:
     losses = [engine.eval_step(x, y) for x, y in batches(loader, count)]
     return sum(losses) / len(losses)
 
 
-def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
-    """The loop every worker runs; rank 0 also writes metrics and the checkpoint."""
+def train_worker(
+    config: TrainConfig, run_dir: str, resume_from: str | None = None, attempt: int = 0
+) -> dict[str, Any]:
+    """The loop every worker runs; rank 0 also writes metrics; all write checkpoints."""
     torch.manual_seed(config.seed)
     bundle = load_data(config)
     model = build_model(config.model, **model_options(config, bundle))
@@ -267,17 +356,33 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
     lead = comm.rank() == 0
     train_loader = GlobalBatchLoader(bundle.train, config.global_batch, seed=config.seed)
     eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False)
+    first = 1
+    if resume_from:
+        checkpoint = engine.load_checkpoint(resume_from)
+        train_loader.load_state_dict(checkpoint.metadata["data"])
+        first = engine.steps_taken + 1
     metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl") if lead else None
     if metrics:
-        metrics.write("config", workers=comm.world_size(), config=as_dict(config))
-    bar = _progress_bar(config, enabled=lead)
+        metrics.write(
+            "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
+        )
+    bar = _progress_bar(config, enabled=lead, initial=first - 1)
     eval_loss = None
     start = time.perf_counter()
     timed_from, timed_samples = start, 0
     stats = None
-    for step, (inputs, targets) in enumerate(batches(train_loader, config.steps), start=1):
+    remaining = config.steps - first + 1
+    for step, (inputs, targets) in enumerate(batches(train_loader, remaining), start=first):
+        _inject_fault(step, attempt)
         stats = engine.train_step(inputs, targets)
-        if step == 1:  # the first step pays one-off costs (allocation, warm-up)
+        if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+            engine.save_checkpoint(
+                Path(run_dir) / "checkpoints" / f"step-{step:08d}",
+                metadata=_checkpoint_metadata(config, train_loader),
+            )
+            if lead:
+                _prune(Path(run_dir), config.keep_checkpoints)
+        if step == first:  # the first step pays one-off costs (allocation, warm-up)
             timed_from, timed_samples = time.perf_counter(), 0
         else:
             timed_samples += stats.samples
@@ -302,12 +407,8 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
         bar.close()
     if isinstance(engine, RecordsTimeline):
         write_timeline(engine, run_dir)
-    state = engine.state_dict()
     checkpoint = Path(run_dir) / "final"
-    if lead:
-        save_model_state(
-            checkpoint, state, metadata={"step": stats.step, "config": as_dict(config)}
-        )
+    engine.save_checkpoint(checkpoint, metadata=_checkpoint_metadata(config, train_loader))
     total = time.perf_counter() - timed_from
     report = {
         "rank": comm.rank(),
@@ -328,7 +429,7 @@ def train_worker(config: TrainConfig, run_dir: str) -> dict[str, Any]:
     return report
 
 
-def _progress_bar(config: TrainConfig, *, enabled: bool):
+def _progress_bar(config: TrainConfig, *, enabled: bool, initial: int = 0):
     if not (enabled and config.progress):
         return None
     import sys
@@ -341,5 +442,6 @@ def _progress_bar(config: TrainConfig, *, enabled: bool):
         total=config.steps,
         desc=f"train {config.model}/{config.strategy}",
         unit="step",
+        initial=initial,
         mininterval=interval,
     )

@@ -147,6 +147,9 @@ class DataParallelEngine(Engine):
             comm.all_reduce_sum(loss, group=self.group)
         return float(loss[0])
 
+    def writes_shard(self) -> bool:
+        return self._replica_rank == 0
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return canonical_state(self.model)
 

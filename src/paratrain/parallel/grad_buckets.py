@@ -198,7 +198,7 @@ class BucketedGradientReducer:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         for bucket in self.buckets:
-            bucket.handle.wait()
+            comm.wait(bucket.handle, "gradient all_reduce")
             bucket.handle = None
         self._armed = False
         if not extras_count:

@@ -103,11 +103,11 @@ class StageLink:
     def recv_activation(self, micro: int) -> torch.Tensor:
         if self._shape is None:
             work, header = self._header
-            work.wait()
+            comm.wait(work, f"recv of the activation header from rank {self.prev_rank}")
             self._shape = decode_header(header)
         self._post_activations(upto=micro + self.window)
         work, buffer = self._activations.pop(micro)
-        work.wait()
+        comm.wait(work, f"recv of activation {micro} from rank {self.prev_rank}")
         return buffer
 
     def expect_gradient(self, micro: int, like: torch.Tensor) -> None:
@@ -120,19 +120,19 @@ class StageLink:
 
     def recv_gradient(self, micro: int) -> torch.Tensor:
         work, buffer = self._gradients.pop(micro)
-        work.wait()
+        comm.wait(work, f"recv of gradient {micro} from rank {self.next_rank}")
         return buffer
 
     def recv_loss(self) -> torch.Tensor:
         work, loss = self._loss
-        work.wait()
+        comm.wait(work, f"recv of the step's loss from rank {self.next_rank}")
         self._loss = None
         return loss[0]
 
     def flush(self) -> None:
         """Wait until every send has left (their buffers may then be reused)."""
         for work, _ in self._sends:
-            work.wait()
+            comm.wait(work, "send to a neighbouring stage")
         self._sends.clear()
 
     # -- internals -----------------------------------------------------------------------

@@ -262,6 +262,21 @@ class PipelineEngine(RecordsTimeline, Engine):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(self.slice.from_canonical(state))
 
+    def named_local_state(self) -> dict[str, torch.Tensor]:
+        return self.slice.to_canonical(self.module.state_dict())
+
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(self.slice.canonical(n), p) for n, p in self.module.named_parameters()]
+
+    def writes_shard(self) -> bool:
+        return self.mesh.replica == 0
+
+    def covers_whole_model(self) -> bool:
+        return self.mesh.stages == 1
+
+    def layout(self) -> dict[str, Any]:
+        return {**super().layout(), **self.timeline_meta()}
+
     # -- the schedule ---------------------------------------------------------------------
 
     def _run_round(self, inputs: Any, targets: Any, *, final: bool) -> None:

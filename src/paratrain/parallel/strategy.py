@@ -11,6 +11,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -107,6 +108,52 @@ class Engine(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full canonical model state (as ``state_dict`` returns)."""
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    optimizer: torch.optim.Optimizer | None
+
+    def save_checkpoint(self, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
+        """Save model, optimizer state, step and RNG in canonical names; every worker calls it.
+
+        The folder appears atomically once complete; ``metadata`` (JSON) rides along, e.g.
+        the data loader's position.
+        """
+        from paratrain.parallel.checkpointing import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, path, metadata=metadata)
+
+    def load_checkpoint(self, path: str | Path):
+        """Load a checkpoint saved by any engine at any device count; every worker calls it.
+
+        Returns the verified ``Checkpoint`` (its ``metadata`` holds what was saved with it).
+        """
+        from paratrain.parallel.checkpointing import load_engine_checkpoint
+
+        return load_engine_checkpoint(self, path)
+
+    def named_local_state(self) -> dict[str, torch.Tensor]:
+        """The model tensors this worker holds, live, under canonical names."""
+        return self.model.state_dict()
+
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This worker's parameters under canonical names (to key optimizer state)."""
+        return list(self.model.named_parameters())
+
+    def writes_shard(self) -> bool:
+        """Whether this worker writes its model and optimizer state when saving.
+
+        Replicas hold the same state, so only one of them writes it.
+        """
+        return comm.rank() == 0
+
+    def covers_whole_model(self) -> bool:
+        """Whether this worker holds every model tensor (not a stage or a shard)."""
+        return True
+
+    def layout(self) -> dict[str, Any]:
+        """How the state is laid out over workers, recorded in each checkpoint's manifest."""
+        return {"strategy": self.name, "world_size": comm.world_size()}
 
 
 class RecordsTimeline:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from paratrain.runtime.hang import collective
+
 _bytes_by_op: Counter[str] = Counter()
 
 
@@ -52,7 +54,22 @@ def all_reduce_sum(
 ):
     """In-place sum over ``group``. Gloo has no AVG, so callers pre-scale for a mean."""
     _count("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if async_op:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with collective("all_reduce"):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def wait(work, op: str) -> None:
+    """Wait for an asynchronous operation; a timeout names the ranks that did not arrive."""
+    with collective(op):
+        work.wait()
+
+
+def barrier(op: str = "barrier") -> None:
+    """A barrier whose timeout names the ranks that did not arrive."""
+    with collective(op):
+        dist.barrier()
 
 
 def broadcast_tensors(
@@ -66,7 +83,8 @@ def broadcast_tensors(
     for same_kind in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
         _count("broadcast", flat)
-        dist.broadcast(flat, src=global_src, group=group)
+        with collective("broadcast"):
+            dist.broadcast(flat, src=global_src, group=group)
         offset = 0
         for tensor in same_kind:
             n = tensor.numel()
@@ -83,9 +101,3 @@ def send_async(tensor: torch.Tensor, *, dst: int, tag: int = 0):
     """
     _count("send", tensor)
     return dist.isend(tensor, dst=dst, tag=tag)
-
-
-def recv_into(tensor: torch.Tensor, *, src: int, tag: int = 0) -> torch.Tensor:
-    """Blocking point-to-point receive into ``tensor`` (bounded by the group's timeout)."""
-    dist.recv(tensor, src=src, tag=tag)
-    return tensor

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.runtime.hang import STORE_ENV
+
 DEFAULT_TIMEOUT_S = 300.0
 _CHILD_FLAG = "PARATRAIN_LAUNCHED_WORKER"
 _COMM_ERROR_MARKERS = ("DistBackendError", "Connection closed by peer", "Connection reset", "gloo")
@@ -241,6 +243,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) 
     os.environ.update(
         {
             _CHILD_FLAG: "1",
+            STORE_ENV: f"{spec.host}:{spec.store_port}",
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(spec.world_size),

@@ -1,0 +1,73 @@
+"""``paratrain ckpt inspect|export``: look into a checkpoint, or turn it into one plain file."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from paratrain.checkpoint import Checkpoint
+from paratrain.config import ConfigError
+
+
+def _open(path: str) -> Checkpoint:
+    from paratrain.trainer import find_checkpoint
+
+    return Checkpoint(find_checkpoint(path))
+
+
+def _size(count: float) -> str:
+    from paratrain.cli import format_bytes
+
+    return format_bytes(count)
+
+
+def inspect_command(args: argparse.Namespace) -> int:
+    checkpoint = _open(args.path)
+    manifest = checkpoint.manifest
+    model = checkpoint.model_state()
+    parameters = sum(t.numel() for t in model.values())
+    layout = ", ".join(f"{k}={v}" for k, v in manifest.get("layout", {}).items())
+    lines = [
+        f"checkpoint {checkpoint.directory}: format version {manifest['version']}, "
+        f"step {checkpoint.step}, checksums verified",
+        f"  saved from        {layout}",
+        f"  model             {len(model)} tensors, {parameters:,} values",
+    ]
+    optim_keys = Counter(name.rpartition("/")[2] for name in checkpoint.names("optim"))
+    if optim_keys:
+        groups = (manifest.get("optimizer") or {}).get("param_groups", [])
+        hyper = {k: v for k, v in (groups[0] if groups else {}).items() if k != "params"}
+        summary = ", ".join(f"{key} x{count}" for key, count in sorted(optim_keys.items()))
+        lines.append(f"  optimizer state   {summary}")
+        lines.append(f"  hyperparameters   {hyper}")
+    if checkpoint.metadata:
+        lines.append(f"  metadata          {', '.join(sorted(checkpoint.metadata))}")
+    lines.append("  files:")
+    for name, entry in sorted(manifest["files"].items()):
+        lines.append(f"    {name:<28}{_size(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
+    width = max(len(name) for name in model) if model else 0
+    lines.append("  model tensors:")
+    for name, tensor in model.items():
+        lines.append(f"    {name:<{width}}  {str(tuple(tensor.shape)):<16} {tensor.dtype}")
+    print("\n".join(lines))
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    checkpoint = _open(args.path)
+    out = Path(args.out)
+    state = checkpoint.model_state()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        save_file(state, str(out))
+    elif out.suffix in (".pt", ".pth"):
+        torch.save(state, out)  # tensors only: torch.load(out, weights_only=True) reads it
+    else:
+        raise ConfigError(f"export writes .safetensors or .pt files, not {out.name!r}.")
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"wrote {out}: {len(state)} tensors, {_size(total)}, step {checkpoint.step}")
+    return 0

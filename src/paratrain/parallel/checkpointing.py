@@ -1,0 +1,139 @@
+"""Saving and loading an engine's whole training state in canonical names.
+
+Works on any engine through a few hooks it exposes (``named_local_state``,
+``named_local_parameters``, ``writes_shard``, ``optimizer``), so every strategy saves
+and every strategy loads, at any device count: a worker writes the part of the state it
+owns, and a worker loading takes, by name, the part it now needs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    prepare_staging,
+    publish,
+    staging_dir,
+    write_shard,
+)
+from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
+from paratrain.runtime import comm
+
+if TYPE_CHECKING:
+    from paratrain.parallel.strategy import Engine
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def save_engine_checkpoint(
+    engine: Engine, directory: str | Path, *, metadata: dict[str, Any] | None = None
+) -> Path:
+    """Every worker calls this; returns the published checkpoint folder."""
+    directory, rank = Path(directory), comm.rank()
+    if rank == 0:
+        prepare_staging(directory)
+    if _distributed():
+        comm.barrier("checkpoint barrier")
+    staging = staging_dir(directory)
+    files: dict[str, dict] = {}
+    groups = None
+    if engine.writes_shard():
+        names = {id(p): name for name, p in engine.named_local_parameters()}
+        files[f"model-{rank}.safetensors"] = write_shard(
+            staging, "model", rank, engine.named_local_state()
+        )
+        if engine.optimizer is not None:
+            tensors, groups = named_optimizer_state(engine.optimizer, names)
+            files[f"optim-{rank}.safetensors"] = write_shard(staging, "optim", rank, tensors)
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if engine.device.type == "cuda":
+        rng["torch_cuda"] = torch.cuda.get_rng_state(engine.device)
+    files[f"rng-{rank}.safetensors"] = write_shard(
+        staging, "rng", rank, {f"{key}/{rank}": value for key, value in rng.items()}
+    )
+    part = {"files": files, "groups": groups or [], "python_rng": _python_rng()}
+    parts = [part]
+    if _distributed():
+        parts = [None] * comm.world_size() if rank == 0 else None
+        dist.gather_object(part, parts, dst=0)
+    if rank == 0:
+        publish(
+            directory,
+            {
+                "layout": engine.layout(),
+                "step": engine.steps_taken,
+                "metadata": metadata or {},
+                "files": {k: v for p in parts for k, v in p["files"].items()},
+                "optimizer": {"param_groups": [g for p in parts for g in p["groups"]]},
+                "python_rng": {str(r): p["python_rng"] for r, p in enumerate(parts)},
+            },
+        )
+    if _distributed():
+        comm.barrier("checkpoint barrier")
+    return directory
+
+
+def load_engine_checkpoint(engine: Engine, directory: str | Path) -> Checkpoint:
+    """Every worker calls this; each takes, by name, the state its layout now needs."""
+    checkpoint = Checkpoint(directory)
+    local = engine.named_local_state()
+    saved = set(checkpoint.names("model"))
+    missing = sorted(set(local) - saved)
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint.directory} has no {missing[0]!r} ({len(missing)} model tensor(s) "
+            "missing): it was saved from a different model."
+        )
+    if engine.covers_whole_model() and saved - set(local):
+        extra = sorted(saved - set(local))
+        raise CheckpointError(
+            f"{checkpoint.directory} holds {extra[0]!r}, which this model does not have: it was "
+            "saved from a different model."
+        )
+    with torch.no_grad():
+        for name, tensor in local.items():
+            tensor.copy_(checkpoint.tensor("model", name))
+    optimizer_meta = checkpoint.manifest.get("optimizer")
+    if engine.optimizer is not None and optimizer_meta:
+        state_keys: dict[str, list[str]] = defaultdict(list)
+        for key in checkpoint.names("optim"):
+            name, _, state_key = key.rpartition("/")
+            state_keys[name].append(state_key)
+        names = {id(p): name for name, p in engine.named_local_parameters()}
+        load_named_optimizer_state(
+            engine.optimizer,
+            names,
+            optimizer_meta["param_groups"],
+            state_keys,
+            lambda key: checkpoint.tensor("optim", key),
+        )
+    _restore_rng(engine, checkpoint)
+    engine.steps_taken = checkpoint.step
+    return checkpoint
+
+
+def _restore_rng(engine: Engine, checkpoint: Checkpoint) -> None:
+    """This rank's saved generator state, or rank 0's when the layout had fewer ranks."""
+    rank = comm.rank()
+    source = rank if f"torch_cpu/{rank}" in checkpoint.names("rng") else 0
+    torch.set_rng_state(checkpoint.tensor("rng", f"torch_cpu/{source}"))
+    if engine.device.type == "cuda" and f"torch_cuda/{source}" in checkpoint.names("rng"):
+        torch.cuda.set_rng_state(checkpoint.tensor("rng", f"torch_cuda/{source}"), engine.device)
+    python = checkpoint.manifest.get("python_rng", {}).get(str(source))
+    if python:
+        random.setstate((python[0], tuple(python[1]), python[2]))
