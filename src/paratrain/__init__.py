@@ -5,6 +5,7 @@ results = paratrain.launch(worker, devices=4)
 """
 
 from paratrain.api import setup
+from paratrain.checkpoint import CheckpointError, load_model_state
 from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
 from paratrain.runtime import WorkerError, launch
 
@@ -14,8 +15,10 @@ __all__ = [
     "BatchSplitError",
     "Engine",
     "StepStats",
+    "CheckpointError",
     "WorkerError",
     "launch",
+    "load_model_state",
     "setup",
     "strategy_names",
 ]

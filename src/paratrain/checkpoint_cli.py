@@ -14,7 +14,7 @@ from paratrain.config import ConfigError
 
 
 def _open(path: str) -> Checkpoint:
-    from paratrain.trainer import find_checkpoint
+    from paratrain.resume import find_checkpoint
 
     return Checkpoint(find_checkpoint(path))
 

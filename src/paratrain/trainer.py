@@ -10,9 +10,6 @@ summary, including a text sample generated from the saved checkpoint for ``gpt``
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,7 +20,7 @@ from typing import Any
 import torch
 
 import paratrain
-from paratrain.checkpoint import MANIFEST, read_manifest
+from paratrain.checkpoint import read_manifest
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
 from paratrain.models import MODEL_NAMES, build_model, loss_for
@@ -32,9 +29,17 @@ from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.partition import check_stages, validate_balance
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter
+from paratrain.resume import (
+    checkpoint_metadata,
+    find_checkpoint,
+    inject_fault,
+    launch_with_restarts,
+    prune,
+    run_dir_of,
+)
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
-from paratrain.runtime.launch import WorkerError, default_device_count
+from paratrain.runtime.launch import default_device_count
 from paratrain.runtime.mesh import check_degrees
 
 _TOKEN_MODELS = ("gpt",)
@@ -189,7 +194,7 @@ def fit(config: TrainConfig) -> RunResult:
     if run_dir is None:
         run_dir = run_dir_of(resume_from) if resume_from else default_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    reports = _launch_with_restarts(config, devices, run_dir, resume_from)
+    reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
     if isinstance(reports, dict):  # inside torchrun: this rank's report only
         reports = [reports]
     lead = reports[0]
@@ -251,87 +256,6 @@ def write_timeline(engine, run_dir: str) -> None:
             handle.write(json.dumps(part["peak"]) + "\n")
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint to resume from: ``path`` itself, or the newest one in a run folder."""
-    path = Path(path)
-    if (path / MANIFEST).exists():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise ConfigError(
-            f"{path} holds no checkpoint (no manifest.json, no checkpoints/step-*, no final/); "
-            "pass a run folder written with --checkpoint-every or a checkpoint folder."
-        )
-    return latest
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run: periodic ones, then the final one."""
-    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
-    if (run_dir / "final" / MANIFEST).exists():
-        candidates.append(run_dir / "final")
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: read_manifest(p).get("step", 0))
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run folder a checkpoint belongs to (``RUN/final`` or ``RUN/checkpoints/step-N``)."""
-    return (
-        checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    )
-
-
-def _launch_with_restarts(config: TrainConfig, devices: int, run_dir: Path, resume_from):
-    """Launch the workers; after a failure, relaunch from the newest checkpoint, up to
-    ``max_restarts`` times.
-
-    A restart is a fresh launch rather than torch's elastic agent: our workers are started
-    by ``paratrain.launch`` (or torchrun, which has its own ``--max-restarts``), and the
-    checkpoint is what carries the state across, so a new set of processes is all it takes.
-    """
-    attempt = 0
-    while True:
-        try:
-            return paratrain.launch(
-                train_worker,
-                devices=devices,
-                args=(config, str(run_dir), str(resume_from) if resume_from else None, attempt),
-                backend=config.backend,
-                timeout_s=config.timeout,
-            )
-        except WorkerError as error:
-            if attempt >= config.max_restarts:
-                raise
-            attempt += 1
-            resume_from = latest_checkpoint(run_dir)
-            where = f"checkpoint {resume_from}" if resume_from else "the start"
-            print(
-                f"paratrain: worker {error.rank} failed; restarting from {where} "
-                f"(restart {attempt} of {config.max_restarts}).\n{error.details.strip()}",
-                file=sys.stderr,
-            )
-
-
-def _inject_fault(step: int, attempt: int) -> None:
-    """Fault injection for tests and drills: PARATRAIN_FAULT="kill:<rank>:<step>" SIGKILLs
-    that worker at that step, on the first attempt only (a restart then runs clean)."""
-    fault = os.environ.get("PARATRAIN_FAULT", "")
-    if attempt == 0 and fault == f"kill:{comm.rank()}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _checkpoint_metadata(config: TrainConfig, loader: GlobalBatchLoader) -> dict[str, Any]:
-    return {"config": as_dict(config), "data": loader.state_dict()}
-
-
-def _prune(run_dir: Path, keep: int) -> None:
-    """Keep the newest ``keep`` periodic checkpoints."""
-    periodic = sorted((run_dir / "checkpoints").glob("step-*"))
-    for old in periodic[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _evaluate(engine, loader: GlobalBatchLoader, count: int) -> float:
     losses = [engine.eval_step(x, y) for x, y in batches(loader, count)]
     return sum(losses) / len(losses)
@@ -373,15 +297,15 @@ def train_worker(
     stats = None
     remaining = config.steps - first + 1
     for step, (inputs, targets) in enumerate(batches(train_loader, remaining), start=first):
-        _inject_fault(step, attempt)
+        inject_fault(step, attempt)
         stats = engine.train_step(inputs, targets)
         if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
             engine.save_checkpoint(
                 Path(run_dir) / "checkpoints" / f"step-{step:08d}",
-                metadata=_checkpoint_metadata(config, train_loader),
+                metadata=checkpoint_metadata(config, train_loader),
             )
             if lead:
-                _prune(Path(run_dir), config.keep_checkpoints)
+                prune(Path(run_dir), config.keep_checkpoints)
         if step == first:  # the first step pays one-off costs (allocation, warm-up)
             timed_from, timed_samples = time.perf_counter(), 0
         else:
@@ -408,7 +332,7 @@ def train_worker(
     if isinstance(engine, RecordsTimeline):
         write_timeline(engine, run_dir)
     checkpoint = Path(run_dir) / "final"
-    engine.save_checkpoint(checkpoint, metadata=_checkpoint_metadata(config, train_loader))
+    engine.save_checkpoint(checkpoint, metadata=checkpoint_metadata(config, train_loader))
     total = time.perf_counter() - timed_from
     report = {
         "rank": comm.rank(),
@@ -432,7 +356,6 @@ def train_worker(
 def _progress_bar(config: TrainConfig, *, enabled: bool, initial: int = 0):
     if not (enabled and config.progress):
         return None
-    import sys
 
     from tqdm.auto import tqdm
 
