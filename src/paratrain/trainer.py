@@ -185,10 +185,11 @@ def fit(config: TrainConfig) -> RunResult:
     check_pairing(config, bundle)
     check_layers(config, bundle)
     resume_from = find_checkpoint(config.resume) if config.resume else None
-    if resume_from and read_manifest(resume_from).get("step", 0) >= config.steps:
+    saved_step = read_manifest(resume_from).get("step", 0) if resume_from else 0
+    if saved_step >= config.steps:
         raise ConfigError(
-            f"{resume_from} is already at step {read_manifest(resume_from)['step']}; "
-            f"pass --steps above that to train further."
+            f"{resume_from} is already at step {saved_step}; "
+            "pass --steps above that to train further."
         )
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is None:
