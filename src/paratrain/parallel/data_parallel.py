@@ -119,7 +119,7 @@ class DataParallelEngine(Engine):
             local_sum += loss.detach()
             if self.reducer is not None and index == k - 1:
                 self.reducer.arm(extras=local_sum * scale)
-            (loss * scale).backward()
+            (loss if scale == 1.0 else loss * scale).backward()
         if self.reducer is not None:
             mean_loss = float(self.reducer.finish(extras_count=1)[0])
         else:
