@@ -224,3 +224,21 @@ def skip_a_collective() -> int:
         comm.all_reduce_sum(value)
     time.sleep(60)
     return dist.get_rank()
+
+
+def model_state_after_one_step(strategy: str, options: dict) -> dict[str, int]:
+    """Model-state bytes a worker holds after one Adam step on a mid-sized mlp."""
+    import paratrain
+    from paratrain.models import build_model, loss_for
+
+    torch.manual_seed(0)
+    engine = paratrain.setup(
+        build_model("mlp", in_features=64, hidden=256, depth=2, classes=8),
+        optimizer=parity_optimizer("adam"),
+        loss_fn=loss_for("mlp"),
+        strategy=strategy,
+        **options,
+    )
+    x, y = torch.randn(16, 64), torch.randint(0, 8, (16,))
+    engine.train_step(x, y)
+    return engine.model_state_bytes()

@@ -92,6 +92,8 @@ def format_summary(result) -> str:
     lines.append(f"  throughput        {result.samples_per_s:,.1f} samples/s")
     lines += _per_worker("peak memory", result.peak_memory_bytes)
     lines += _per_worker("parameters held", result.parameter_bytes)
+    lines += _per_worker("gradients held", [m["gradients"] for m in result.model_state_bytes])
+    lines += _per_worker("optimizer state", [m["optimizer"] for m in result.model_state_bytes])
     lines += _per_worker("activations peak", result.activation_peak_bytes)
     lines += [f"  checkpoint        {result.checkpoint}", f"  metrics           {result.metrics}"]
     if result.sample_text is not None:

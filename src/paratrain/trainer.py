@@ -63,6 +63,7 @@ class RunResult:
     samples_per_s: float
     peak_memory_bytes: list[int]
     parameter_bytes: list[int]
+    model_state_bytes: list[dict[str, int]]
     activation_peak_bytes: list[int | None]
     checkpoint: Path
     metrics: Path
@@ -208,6 +209,7 @@ def fit(config: TrainConfig) -> RunResult:
         samples_per_s=lead["samples_per_s"],
         peak_memory_bytes=[r["peak_memory_bytes"] for r in reports],
         parameter_bytes=[r["parameter_bytes"] for r in reports],
+        model_state_bytes=[r["model_state_bytes"] for r in reports],
         activation_peak_bytes=[r["activation_peak_bytes"] for r in reports],
         checkpoint=Path(lead["checkpoint"]),
         metrics=Path(lead["metrics"]),
@@ -342,6 +344,7 @@ def train_worker(
         "samples_per_s": timed_samples / total if timed_samples else 0.0,
         "peak_memory_bytes": peak_memory_bytes(engine.device),
         "parameter_bytes": engine.parameter_bytes,
+        "model_state_bytes": engine.model_state_bytes(),
         "activation_peak_bytes": (
             engine.activation_peak_bytes() if isinstance(engine, RecordsTimeline) else None
         ),

@@ -19,6 +19,7 @@ from torch import nn
 
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
+from paratrain.runtime.memory import model_state_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -82,6 +83,10 @@ class Engine(ABC):
     def parameter_bytes(self) -> int:
         """Bytes of model parameters this worker holds (all of them unless sharded or split)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this worker holds."""
+        return model_state_bytes(self.model.parameters(), self.optimizer)
 
     @property
     def rank(self) -> int:

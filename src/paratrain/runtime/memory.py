@@ -1,4 +1,8 @@
-"""Counting the bytes autograd saves for backward (activations), current and peak.
+"""Memory accounting: the model state a worker holds, and the activations it saves.
+
+``model_state_bytes`` counts what a strategy decides the placement of: parameters,
+gradients and optimizer state, each storage once. ``ActivationMeter`` counts the bytes
+autograd saves for backward, current and peak.
 
 Why saved-tensor hooks: on CPU there is no allocator to ask, and what costs memory between
 forward and backward is exactly what autograd packs for backward. Storages are counted
@@ -13,6 +17,36 @@ from contextlib import contextmanager
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(
+    parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None
+) -> dict[str, int]:
+    """Parameters, gradients and optimizer state held by this worker, in bytes.
+
+    Gradients that are views into a communication bucket count as that bucket's storage,
+    which is what they cost.
+    """
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    state: list[torch.Tensor] = []
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    return {
+        "parameters": _unique_bytes(parameters),
+        "gradients": _unique_bytes(grads),
+        "optimizer": _unique_bytes(state),
+    }
 
 
 class ActivationMeter:
