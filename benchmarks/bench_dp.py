@@ -19,11 +19,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from alternation import median_step_times, over_launches, slowest_rank
 from torch.nn.parallel import DistributedDataParallel
 
 import paratrain
@@ -76,12 +76,11 @@ class PlainRunner:
         self.optimizer = adam(self.model.parameters())
         self.loss_fn = loss_for(name)
 
-    def step(self, x, y) -> int:
+    def step(self, x, y) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
         loss.backward()
         self.optimizer.step()
-        return 0
 
 
 class DDPRunner:
@@ -93,14 +92,13 @@ class DDPRunner:
         self.loss_fn = loss_for(name)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
-    def step(self, x, y) -> int:
+    def step(self, x, y) -> None:
         share = x.shape[0] // self.world
         xs, ys = (t.narrow(0, self.rank * share, share) for t in (x, y))
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(xs), ys)
         loss.backward()
         self.optimizer.step()
-        return 0
 
 
 class ParatrainRunner:
@@ -109,39 +107,24 @@ class ParatrainRunner:
             fresh_model(name), optimizer=adam, loss_fn=loss_for(name), strategy="dp", **options
         )
 
-    def step(self, x, y) -> int:
-        return self.engine.train_step(x, y).comm_bytes
+        self.comm_bytes = 0
+
+    def step(self, x, y) -> None:
+        self.comm_bytes = self.engine.train_step(x, y).comm_bytes
 
 
 def bench_worker(name: str, rounds: int, steps: int, warmup: int, options: dict) -> dict:
     """Alternate the runners round by round; every rank times every step."""
-    world = dist.get_world_size()
-    runners = {"ddp": DDPRunner(name), "paratrain": ParatrainRunner(name, options)}
-    if world == 1:
+    ours = ParatrainRunner(name, options)
+    runners = {"ddp": DDPRunner(name), "paratrain": ours}
+    if dist.get_world_size() == 1:
         runners["plain"] = PlainRunner(name)
-    batches = make_batches(name, steps)
-    times: dict[str, list[float]] = {key: [] for key in runners}
-    comm_bytes = 0
-    for runner in runners.values():
-        for x, y in batches[:warmup]:
-            runner.step(x, y)
-    for round_index in range(rounds):
-        order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
-        for key in order:
-            dist.barrier()
-            for x, y in batches:
-                start = time.perf_counter()
-                sent = runners[key].step(x, y)
-                times[key].append(time.perf_counter() - start)
-                if key == "paratrain":
-                    comm_bytes = sent
-    reducer = runners["paratrain"].engine.reducer
-    grad_bytes = sum(
-        p.numel() * p.element_size() for p in runners["paratrain"].engine.model.parameters()
-    )
+    medians = median_step_times(runners, make_batches(name, steps), rounds=rounds, warmup=warmup)
+    reducer = ours.engine.reducer
+    grad_bytes = sum(p.numel() * p.element_size() for p in ours.engine.model.parameters())
     return {
-        "median_s": {key: statistics.median(values) for key, values in times.items()},
-        "comm_bytes": comm_bytes,
+        "median_s": medians,
+        "comm_bytes": ours.comm_bytes,
         "grad_bytes": reducer.gradient_bytes if reducer is not None else grad_bytes,
     }
 
@@ -151,9 +134,8 @@ def measure(name: str, workers: int, rounds: int, steps: int, options: dict) -> 
     results = paratrain.launch(
         bench_worker, devices=workers, args=(name, rounds, steps, 3, options)
     )
-    median = {key: max(r["median_s"][key] for r in results) for key in results[0]["median_s"]}
     return {
-        "median": median,
+        "median": slowest_rank([r["median_s"] for r in results]),
         "comm_bytes": results[0]["comm_bytes"],
         "grad_bytes": results[0]["grad_bytes"],
     }
@@ -172,12 +154,14 @@ def run(
     for name in models:
         for workers in worker_counts:
             runs = [measure(name, workers, rounds, steps, options) for _ in range(repeats)]
-            keys = runs[0]["median"]
-            median = {k: statistics.median(r["median"][k] for r in runs) for k in keys}
-            over_ddp = [r["median"]["ddp"] / r["median"]["paratrain"] for r in runs]
-            over_plain = [
-                r["median"]["plain"] / r["median"]["paratrain"] for r in runs if "plain" in keys
-            ]
+            median, over_ddp = over_launches(
+                [r["median"] for r in runs], ours="paratrain", peer="ddp"
+            )
+            over_plain = []
+            if "plain" in median:
+                _, over_plain = over_launches(
+                    [r["median"] for r in runs], ours="paratrain", peer="plain"
+                )
             batch = MODELS[name]["global_batch"]
             ring = 2 * (workers - 1) / workers
             row = {

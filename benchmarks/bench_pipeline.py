@@ -19,11 +19,11 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from alternation import median_step_times, over_launches, slowest_rank
 from torch import nn
 
 import paratrain
@@ -128,22 +128,14 @@ def bench_worker(
         "torch": TorchRunner(name, spec, ours.engine.balance, micro, schedule),
     }
     batches = make_batches(name, spec, steps)
-    times: dict[str, list[float]] = {key: [] for key in runners}
-    for runner in runners.values():
+    for runner in runners.values():  # warm up, then time only what the timeline records
         for x, y in batches[:2]:
             runner.step(x, y)
     ours.engine.events.clear()
-    for round_index in range(rounds):
-        order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
-        for key in order:
-            dist.barrier()
-            for x, y in batches:
-                start = time.perf_counter()
-                runners[key].step(x, y)
-                times[key].append(time.perf_counter() - start)
+    medians = median_step_times(runners, batches, rounds=rounds, warmup=0)
     write_timeline(ours.engine, run_dir)
     return {
-        "median_s": {key: statistics.median(v) for key, v in times.items()},
+        "median_s": medians,
         "balance": ours.engine.balance,
         "activation_peak": ours.engine.activation_peak_bytes(),
     }
@@ -157,7 +149,7 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
             bench_worker, devices=stages, args=(name, spec, schedule, rounds, steps, run_dir)
         )
         bubble = measured_bubble(read_timeline(Path(run_dir) / "timeline.jsonl"))
-    median = {key: max(r["median_s"][key] for r in results) for key in results[0]["median_s"]}
+    median = slowest_rank([r["median_s"] for r in results])
     return {
         "median": median,
         "bubble": bubble,
@@ -172,11 +164,9 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
         for stages in stage_counts:
             for schedule in schedules:
                 runs = [measure(name, stages, schedule, rounds, steps) for _ in range(repeats)]
-                median = {
-                    key: statistics.median(r["median"][key] for r in runs)
-                    for key in runs[0]["median"]
-                }
-                ratios = [r["median"]["torch"] / r["median"]["paratrain"] for r in runs]
+                median, ratios = over_launches(
+                    [r["median"] for r in runs], ours="paratrain", peer="torch"
+                )
                 micro, batch = 4 * stages, MODELS[name]["global_batch"]
                 theory = theoretical_bubble(stages, micro)
                 bubble = statistics.median(r["bubble"] for r in runs)

@@ -97,14 +97,12 @@ def parity_optimizer(name: str):
     return lambda params: torch.optim.Adam(params, lr=0.01)
 
 
-def train_with(
-    strategy: str, kind: str, optimizer: str, accumulation: int, **options
-) -> tuple[dict, list[float]]:
-    """Train 10 steps with ``strategy``; returns the final state and the reported losses."""
+def parity_engine(strategy: str, kind: str, optimizer: str, accumulation: int = 1, **options):
+    """The parity model under ``strategy``, built the same way on every rank."""
     import paratrain
     from paratrain.models import loss_for
 
-    engine = paratrain.setup(
+    return paratrain.setup(
         parity_model(kind),
         optimizer=parity_optimizer(optimizer),
         loss_fn=loss_for("gpt" if kind == "gpt" else "mlp"),
@@ -112,6 +110,13 @@ def train_with(
         gradient_accumulation=accumulation,
         **options,
     )
+
+
+def train_with(
+    strategy: str, kind: str, optimizer: str, accumulation: int, **options
+) -> tuple[dict, list[float]]:
+    """Train 10 steps with ``strategy``; returns the final state and the reported losses."""
+    engine = parity_engine(strategy, kind, optimizer, accumulation, **options)
     losses = [engine.train_step(x, y).loss for x, y in parity_batches(kind)]
     return engine.state_dict(), losses
 
@@ -158,15 +163,11 @@ def activation_peaks_worker(settings: list[dict]) -> list[int]:
 
 
 def varying_length_worker() -> tuple[dict, list[float]]:
-    """Sequence length changes between steps (16, then 8, then 12)."""
-    import paratrain
-    from paratrain.models import loss_for
-
-    engine = paratrain.setup(
-        parity_model("gpt"),
-        optimizer=parity_optimizer("adam"),
-        loss_fn=loss_for("gpt"),
-        strategy=os.environ.get("PARATRAIN_TEST_STRATEGY", "pipeline"),
+    """Sequence length changes between steps (8, then 4, then 6)."""
+    engine = parity_engine(
+        os.environ.get("PARATRAIN_TEST_STRATEGY", "pipeline"),
+        "gpt",
+        "adam",
         **({"stages": 2, "micro_batches": 4} if dist.is_initialized() else {}),
     )
     losses = [engine.train_step(x, y).loss for x, y in varying_length_batches()]
@@ -194,16 +195,7 @@ def checkpoint_phase(
     save_to: str | None,
 ) -> tuple[dict, list[float]]:
     """Train steps [start, end) of the parity batches, resuming from and saving checkpoints."""
-    import paratrain
-    from paratrain.models import loss_for
-
-    engine = paratrain.setup(
-        parity_model(kind),
-        optimizer=parity_optimizer(optimizer),
-        loss_fn=loss_for("gpt" if kind == "gpt" else "mlp"),
-        strategy=strategy,
-        **options,
-    )
+    engine = parity_engine(strategy, kind, optimizer, **options)
     if load_from:
         engine.load_checkpoint(load_from)
         assert engine.steps_taken == steps[0], (engine.steps_taken, steps)
