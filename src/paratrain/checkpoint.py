@@ -102,7 +102,7 @@ def save_model_state(
     *,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """A model-only checkpoint from one process (what ``ckpt export`` reads back)."""
+    """A model-only checkpoint written by one process (no optimizer or RNG state)."""
     staging = prepare_staging(directory)
     entry = write_shard(staging, "model", 0, state)
     return publish(
@@ -123,36 +123,33 @@ class Checkpoint:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
-        self._verify_files()
+        self._handles: dict[str, Any] = {}
         self._index: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
         for name, entry in self.manifest["files"].items():
-            with safe_open(str(self.directory / name), framework="pt") as handle:
-                for key in handle.keys():
-                    self._index[entry["kind"]][key] = name
+            self._handles[name] = self._verified_handle(name, entry)
+            for key in self._handles[name].keys():
+                self._index[entry["kind"]][key] = name
 
-    def _verify_files(self) -> None:
-        for name, entry in self.manifest["files"].items():
-            path = self.directory / name
-            if not path.exists():
-                raise CheckpointError(f"{path} is missing from the checkpoint.")
-            if path.stat().st_size != entry["bytes"]:
-                raise CheckpointError(
-                    f"{path} is truncated or was changed after saving ({path.stat().st_size} "
-                    f"bytes, the manifest says {entry['bytes']})."
-                )
-            actual = file_sha256(path)
-            if actual != entry["sha256"]:
-                raise CheckpointError(
-                    f"{path} is damaged or was changed after saving (sha256 {actual[:12]}..., "
-                    f"the manifest says {entry['sha256'][:12]}...)."
-                )
-            try:
-                with safe_open(str(path), framework="pt"):
-                    pass
-            except Exception as error:  # safetensors raises its own error types
-                raise CheckpointError(
-                    f"{path} is not a readable safetensors file: {error}."
-                ) from None
+    def _verified_handle(self, name: str, entry: dict[str, Any]):
+        """Open one shard once its size and checksum match the manifest."""
+        path = self.directory / name
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing from the checkpoint.")
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointError(
+                f"{path} is truncated or was changed after saving ({path.stat().st_size} "
+                f"bytes, the manifest says {entry['bytes']})."
+            )
+        actual = file_sha256(path)
+        if actual != entry["sha256"]:
+            raise CheckpointError(
+                f"{path} is damaged or was changed after saving (sha256 {actual[:12]}..., "
+                f"the manifest says {entry['sha256'][:12]}...)."
+            )
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(f"{path} is not a readable safetensors file: {error}.") from None
 
     @property
     def step(self) -> int:
@@ -169,8 +166,7 @@ class Checkpoint:
         file = self._index[kind].get(name)
         if file is None:
             raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
-        with safe_open(str(self.directory / file), framework="pt") as handle:
-            return handle.get_tensor(name)
+        return self._handles[file].get_tensor(name)
 
     def tensors(
         self, kind: str, names: list[str] | None = None

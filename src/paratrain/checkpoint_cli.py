@@ -11,18 +11,13 @@ from safetensors.torch import save_file
 
 from paratrain.checkpoint import Checkpoint
 from paratrain.config import ConfigError
+from paratrain.report import format_bytes
 
 
 def _open(path: str) -> Checkpoint:
     from paratrain.resume import find_checkpoint
 
     return Checkpoint(find_checkpoint(path))
-
-
-def _size(count: float) -> str:
-    from paratrain.cli import format_bytes
-
-    return format_bytes(count)
 
 
 def inspect_command(args: argparse.Namespace) -> int:
@@ -48,7 +43,9 @@ def inspect_command(args: argparse.Namespace) -> int:
         lines.append(f"  metadata          {', '.join(sorted(checkpoint.metadata))}")
     lines.append("  files:")
     for name, entry in sorted(manifest["files"].items()):
-        lines.append(f"    {name:<28}{_size(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
+        lines.append(
+            f"    {name:<28}{format_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}"
+        )
     width = max(len(name) for name in model) if model else 0
     lines.append("  model tensors:")
     for name, tensor in model.items():
@@ -69,5 +66,5 @@ def export_command(args: argparse.Namespace) -> int:
     else:
         raise ConfigError(f"export writes .safetensors or .pt files, not {out.name!r}.")
     total = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"wrote {out}: {len(state)} tensors, {_size(total)}, step {checkpoint.step}")
+    print(f"wrote {out}: {len(state)} tensors, {format_bytes(total)}, step {checkpoint.step}")
     return 0

@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 
 from paratrain.checkpoint import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
+from paratrain.report import format_bytes
 from paratrain.runtime.launch import WorkerError
 from paratrain.timeline import TimelineError
 
@@ -60,15 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
     export.add_argument("out", help="output file, e.g. model.safetensors or model.pt")
     return parser
-
-
-def format_bytes(count: float) -> str:
-    """1536 -> '1.5 KiB': sizes from bytes to GiB, three significant figures."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(count) < 1024:
-            return f"{count:.3g} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1024
-    return f"{count:,.3g} GiB"
 
 
 def _per_worker(label: str, values: list) -> list[str]:

@@ -57,3 +57,12 @@ def summarize_metrics(path: str | Path) -> str:
             f"  eval loss           {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
         )
     return "\n".join(lines)
+
+
+def format_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB': sizes from bytes to GiB, three significant figures."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(count) < 1024:
+            return f"{count:.3g} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:,.3g} GiB"

@@ -9,6 +9,7 @@ summary, including a text sample generated from the saved checkpoint for ``gpt``
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import paratrain
 from paratrain.checkpoint import read_manifest
@@ -41,6 +43,7 @@ from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.launch import default_device_count
 from paratrain.runtime.mesh import check_degrees
+from paratrain.timeline import TIMELINE_FILE
 
 _TOKEN_MODELS = ("gpt",)
 _IMAGE_MODELS = ("lenet",)
@@ -237,10 +240,6 @@ def strategy_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, An
 
 def write_timeline(engine, run_dir: str) -> None:
     """Gather every worker's timeline events to rank 0, which writes ``timeline.jsonl``."""
-    import json
-
-    import torch.distributed as dist
-
     first_step = engine.steps_taken - _TIMELINE_STEPS
     identity = engine.timeline_identity()
     own = {
@@ -251,7 +250,7 @@ def write_timeline(engine, run_dir: str) -> None:
     dist.gather_object(own, gathered, dst=0)
     if comm.rank() != 0:
         return
-    with (Path(run_dir) / "timeline.jsonl").open("w") as handle:
+    with (Path(run_dir) / TIMELINE_FILE).open("w") as handle:
         handle.write(json.dumps({"kind": "meta", **engine.timeline_meta()}) + "\n")
         for part in gathered:
             for event in part["events"]:

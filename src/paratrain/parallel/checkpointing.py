@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     from paratrain.parallel.strategy import Engine
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _python_rng() -> list:
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
@@ -47,7 +43,7 @@ def save_engine_checkpoint(
     directory, rank = Path(directory), comm.rank()
     if rank == 0:
         prepare_staging(directory)
-    if _distributed():
+    if comm.distributed():
         comm.barrier("checkpoint barrier")
     staging = staging_dir(directory)
     files: dict[str, dict] = {}
@@ -68,7 +64,7 @@ def save_engine_checkpoint(
     )
     part = {"files": files, "groups": groups or [], "python_rng": _python_rng()}
     parts = [part]
-    if _distributed():
+    if comm.distributed():
         parts = [None] * comm.world_size() if rank == 0 else None
         dist.gather_object(part, parts, dst=0)
     if rank == 0:
@@ -83,7 +79,7 @@ def save_engine_checkpoint(
                 "python_rng": {str(r): p["python_rng"] for r, p in enumerate(parts)},
             },
         )
-    if _distributed():
+    if comm.distributed():
         comm.barrier("checkpoint barrier")
     return directory
 

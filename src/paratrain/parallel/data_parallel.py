@@ -34,7 +34,7 @@ from paratrain.runtime import comm
 
 def require_process_group(strategy: str) -> None:
     """Refuse a distributed strategy outside a launched job, saying what to do instead."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not comm.distributed():
         raise RuntimeError(
             f"strategy {strategy!r} needs worker processes: call paratrain.setup inside a "
             "function run by paratrain.launch(...) or under torchrun, or use strategy='single'."
@@ -99,13 +99,16 @@ class DataParallelEngine(Engine):
     def world_size(self) -> int:
         return self._replicas
 
+    def _share(self, batch: Any) -> Any:
+        """This replica's contiguous slice of the global batch, on its device."""
+        return to_device(take_share(batch, self._replica_rank, self._replicas), self._device)
+
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)
         replicas, k = self._replicas, self.gradient_accumulation
         check_divisible(samples, replicas=replicas, micro_batches=k)
         bytes_before = comm.bytes_sent()
-        share_in = to_device(take_share(inputs, self._replica_rank, replicas), self._device)
-        share_tgt = to_device(take_share(targets, self._replica_rank, replicas), self._device)
+        share_in, share_tgt = self._share(inputs), self._share(targets)
         self.model.train()
         if self.reducer is not None:
             self.reducer.zero_grad()
@@ -139,8 +142,7 @@ class DataParallelEngine(Engine):
         check_divisible(batch_size(inputs), replicas=replicas, micro_batches=1)
         was_training = self.model.training
         self.model.eval()
-        share_in = to_device(take_share(inputs, self._replica_rank, replicas), self._device)
-        share_tgt = to_device(take_share(targets, self._replica_rank, replicas), self._device)
+        share_in, share_tgt = self._share(inputs), self._share(targets)
         loss = self.loss_fn(self.model(share_in), share_tgt).detach().reshape(1) / replicas
         self.model.train(was_training)
         if replicas > 1:

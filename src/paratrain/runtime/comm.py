@@ -21,16 +21,21 @@ from paratrain.runtime.hang import collective
 _bytes_by_op: Counter[str] = Counter()
 
 
+def distributed() -> bool:
+    """Whether this process is part of a process group (launched, or under torchrun)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size(group: ProcessGroup | None = None) -> int:
     """Members of ``group``; 1 where no process group exists (a plain single process)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return 1
     return dist.get_world_size(group)
 
 
 def rank(group: ProcessGroup | None = None) -> int:
     """This worker's rank within ``group``; 0 where no process group exists."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return 0
     return dist.get_rank(group)
 
