@@ -42,3 +42,44 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
     assert 0.0 < row["bubble_measured"] < 1.0
     assert row["bubble_theory"] == pytest.approx(1 / 9)
     assert "| mlp | 2 x 8 | 1f1b |" in bench.format_row(row)
+
+
+@pytest.mark.slow
+def test_bench_zero_runs_paratrain_and_both_peers_and_measures_memory(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_zero")
+    tiny = {
+        "options": {"vocab_size": 11, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 16},
+        "global_batch": 8,
+    }
+    rows = bench.run(["zero1", "zero3"], [2], rounds=1, steps=2, repeats=1, warmup=1, spec=tiny)
+    assert [(row["strategy"], row["workers"]) for row in rows] == [("zero1", 2), ("zero3", 2)]
+    for row in rows:
+        assert row["peer_error"] is None, row["peer_error"]  # both peers run on gloo in 2.13
+        assert set(row["median_step_s"]) == {"paratrain", "peer"}
+        assert row["throughput_ratio"] > 0 and row["memory_ratio"] > 0
+        for side in ("paratrain", "peer"):
+            assert row["peak_bytes"][side] >= row["held_bytes"][side] > 0
+    assert "| zero1 | ZeroRedundancyOptimizer+DDP | 2 |" in bench.format_row(rows[0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
+    reason="../shared/data (tinyshakespeare) is absent",
+)
+def test_bench_ps_runs_dp_and_both_ps_methods_and_prints_ratios(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_ps")
+    args = bench.build_parser().parse_args(
+        ["--repeats", "1", "--samples", "256", "--global-batch", "16", "--n-embd", "32"]
+        + ["--block-size", "32", "--n-layer", "1", "--window", "2"]
+    )
+    summary = bench.run(args)
+    assert summary["launches"] == 1
+    assert summary["dp"]["samples_per_s_over_dp"] == pytest.approx(1.0)
+    for method in ("ps-async", "ps-staleness2"):
+        assert summary[method]["samples_per_s"] > 0
+        assert set(summary[method]["pushes_per_s"]) == {0, 1, 2, 3}
+    table = bench.format_table(summary)
+    assert "| ps-async |" in table and "ps-staleness2: samples/s" in table

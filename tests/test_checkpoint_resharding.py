@@ -72,3 +72,25 @@ def test_optimizer_state_is_keyed_by_parameter_name(tmp_path):
         "rng-1.safetensors",
     ]
     assert torch.equal(checkpoint.tensor("optim", "1.weight/step"), torch.tensor(2.0))
+
+
+@pytest.mark.slow
+def test_dp2_then_zero2x4_then_zero3x2_then_single_equals_uninterrupted(tmp_path):
+    """ZeRO's flat slices go out as whole canonical tensors and come back in as slices
+    (SGD-momentum here; Adam's chain through zero3 and zero1 is in test_zero.py)."""
+    kind, optimizer = "gpt", "sgd"
+    reference, reference_losses = workers.train_with("single", kind, optimizer, 1)
+    a, b, c = (str(tmp_path / name) for name in ("a", "b", "c"))
+    phases = [("dp", 2, (0, 3), None, a), ("zero2", 4, (3, 5), a, b), ("zero3", 2, (5, 8), b, c)]
+    losses = []
+    for strategy, devices, steps, load_from, save_to in phases:
+        losses += paratrain.launch(
+            workers.checkpoint_phase,
+            devices=devices,
+            args=(strategy, {}, kind, optimizer, steps, load_from, save_to),
+        )[0][1]
+    state, last = workers.checkpoint_phase("single", {}, kind, optimizer, (8, 10), c, None)
+    assert relative_error(state, reference) <= TOLERANCE
+    assert losses + last == pytest.approx(reference_losses, rel=1e-5)
+    assert Checkpoint(c).manifest["layout"]["strategy"] == "zero3"
+    assert Checkpoint(c).tensor("optim", "1.attn.qkv.weight/momentum_buffer").shape == (48, 16)

@@ -8,6 +8,7 @@ from paratrain.api import setup
 from paratrain.checkpoint import CheckpointError, load_model_state
 from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
 from paratrain.runtime import WorkerError, launch
+from paratrain.runtime.ledger import DeviceOutOfMemory
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ __all__ = [
     "Engine",
     "StepStats",
     "CheckpointError",
+    "DeviceOutOfMemory",
     "WorkerError",
     "launch",
     "load_model_state",

@@ -15,6 +15,7 @@ from paratrain.checkpoint import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
 from paratrain.report import format_bytes
 from paratrain.runtime.launch import WorkerError
+from paratrain.runtime.ledger import DeviceOutOfMemory
 from paratrain.timeline import TimelineError
 
 
@@ -71,6 +72,38 @@ def _per_worker(label: str, values: list) -> list[str]:
     return [f"  {label:<18}{joined}"]
 
 
+def _ps_lines(extra: dict) -> list[str]:
+    """ps runs: servers, each worker's pushes per second, the staleness histogram, losses."""
+    ps = extra.get("ps")
+    if ps is None:
+        return []
+    bound = "none (asynchronous)" if ps["staleness"] is None else ps["staleness"]
+    rates = ", ".join(f"worker {w}: {r:.1f}" for w, r in sorted(ps["pushes_per_s"].items()))
+    histogram = ", ".join(f"{s}: {n}" for s, n in sorted(ps["staleness_histogram"].items()))
+    lines = [
+        f"  servers           {ps['servers']}, staleness bound {bound}",
+        f"  pushes/s          {rates}",
+        f"  push staleness    {histogram} (applied pushes by versions behind)",
+    ]
+    for rank, reason in sorted(extra.get("lost_workers", {}).items()):
+        lines.append(f"  lost worker       {rank}: {reason}")
+    return lines
+
+
+def _peak(record: dict, category: str) -> int | None:
+    """A category's peak in a ledger record; None where the engine never measured it."""
+    return record.get("peak", {}).get(category)
+
+
+def _out_of_memory(error: WorkerError) -> str | None:
+    """The one-sentence message of a worker's ``DeviceOutOfMemory``, if that is what failed."""
+    marker = f"{DeviceOutOfMemory.__name__}: "
+    for line in reversed(error.details.splitlines()):
+        if marker in line:
+            return line.split(marker, 1)[1]
+    return None
+
+
 def format_summary(result) -> str:
     """The closing summary a user reads after ``paratrain train``."""
     config = result.config
@@ -82,11 +115,23 @@ def format_summary(result) -> str:
     if result.final_eval_loss is not None:
         lines.append(f"  final eval loss   {result.final_eval_loss:.4f}")
     lines.append(f"  throughput        {result.samples_per_s:,.1f} samples/s")
+    if config.precision != "fp32":
+        lines.append(f"  precision         {config.precision}")
+    if config.precision == "fp16":
+        lines.append(
+            f"  skipped steps     {result.skipped_steps} (inf/NaN gradients; "
+            f"loss scale now {result.loss_scale:g})"
+        )
     lines += _per_worker("peak memory", result.peak_memory_bytes)
     lines += _per_worker("parameters held", result.parameter_bytes)
     lines += _per_worker("gradients held", [m["gradients"] for m in result.model_state_bytes])
     lines += _per_worker("optimizer state", [m["optimizer"] for m in result.model_state_bytes])
     lines += _per_worker("activations peak", result.activation_peak_bytes)
+    lines += _per_worker("comm buffers peak", [_peak(m, "communication") for m in result.memory])
+    lines += _per_worker("ledger peak", [m.get("peak_total") for m in result.memory])
+    if result.memory and result.memory[0].get("budget") is not None:
+        lines.append(f"  memory budget     {format_bytes(result.memory[0]['budget'])} per worker")
+    lines += _ps_lines(result.extra)
     lines += [f"  checkpoint        {result.checkpoint}", f"  metrics           {result.metrics}"]
     if result.sample_text is not None:
         lines += ["  sample:", *("    " + line for line in result.sample_text.splitlines())]
@@ -139,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:
-        print(f"paratrain: {error}", file=sys.stderr)
+        print(f"paratrain: {_out_of_memory(error) or error}", file=sys.stderr)
         return 1
     return 2
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from paratrain.parallel.precision import PRECISIONS
+from paratrain.runtime.units import parse_size
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -34,7 +37,9 @@ class TrainConfig:
         default="shakespeare",
         metadata={"help": "shakespeare, fashion_mnist, synthetic, synthetic_images, ..."},
     )
-    strategy: str = field(default="dp", metadata={"help": "single, dp or pipeline"})
+    strategy: str = field(
+        default="dp", metadata={"help": "single, dp, zero1, zero2, zero3, pipeline or ps"}
+    )
     devices: int | None = field(
         default=None, metadata={"help": "workers to start (default: GPUs, else min(4, cores))"}
     )
@@ -52,7 +57,9 @@ class TrainConfig:
     n_embd: int = field(default=128, metadata={"help": "embedding width (gpt)"})
     hidden: int = field(default=256, metadata={"help": "hidden width (mlp)"})
     depth: int = field(default=3, metadata={"help": "hidden layers (mlp)"})
-    bucket_mb: float = field(default=25.0, metadata={"help": "all-reduce bucket size (dp)"})
+    bucket_mb: float = field(
+        default=25.0, metadata={"help": "all-reduce bucket size (dp, zero1, zero2)"}
+    )
     stages: int = field(default=2, metadata={"help": "pipeline stages (pipeline)"})
     micro_batches: int | None = field(
         default=None, metadata={"help": "micro-batches per step (pipeline; default 2 x stages)"}
@@ -65,7 +72,28 @@ class TrainConfig:
         default="params", metadata={"help": "params, time or memory (pipeline)"}
     )
     recompute: bool = field(
-        default=False, metadata={"help": "recompute activations in backward (pipeline)"}
+        default=False,
+        metadata={"help": "recompute activations in backward (single, dp, pipeline, zero1-3)"},
+    )
+    precision: str = field(
+        default="fp32", metadata={"help": "fp32, bf16 or fp16 (autocast; fp16 scales the loss)"}
+    )
+    memory_per_device: str | None = field(
+        default=None,
+        metadata={"help": "memory budget per worker, e.g. 2GiB (a CPU worker acts that size)"},
+    )
+    servers: int = field(default=1, metadata={"help": "parameter-server processes (ps)"})
+    staleness: int | None = field(
+        default=0,
+        metadata={
+            "help": "steps a worker may run ahead of the slowest (ps; 0 = synchronous, "
+            "none = asynchronous)",
+            "none_allowed": True,
+        },
+    )
+    straggler: str | None = field(
+        default=None,
+        metadata={"help": "RANK:SLOWDOWN, e.g. 1:3 makes worker 1 three times slower (ps)"},
     )
     eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
     eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
@@ -103,6 +131,7 @@ class TrainConfig:
             ("checkpoint_every", 0),
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
+            ("servers", 1),
         ):
             value = getattr(self, name)
             if value < minimum:
@@ -116,8 +145,37 @@ class TrainConfig:
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be at least 1, not {self.micro_batches}.")
         self.balance_list()
+        if self.staleness is not None and self.staleness < 0:
+            raise ConfigError(
+                f"staleness must be at least 0 (or none for asynchronous), not {self.staleness}."
+            )
+        self.straggler_setting()
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise ConfigError(f"optimizer must be sgd, adam or adamw, not {self.optimizer!r}.")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}."
+            )
+        try:
+            parse_size(self.memory_per_device)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    def straggler_setting(self) -> dict[str, float | int] | None:
+        """``straggler`` ("1:3") as the ps engine's ``{"rank": 1, "slowdown": 3.0}``."""
+        if self.straggler is None:
+            return None
+        rank, _, slowdown = self.straggler.partition(":")
+        try:
+            setting = {"rank": int(rank), "slowdown": float(slowdown)}
+        except ValueError:
+            setting = None
+        if setting is None or setting["rank"] < 0 or setting["slowdown"] < 1:
+            raise ConfigError(
+                f"straggler must be RANK:SLOWDOWN with a slowdown of at least 1, such as 1:3, "
+                f"not {self.straggler!r}."
+            )
+        return setting
 
     def balance_list(self) -> list[int] | None:
         """``balance`` ("2,3,3") as a list of layer counts."""
@@ -143,10 +201,17 @@ def field_types(cls: type = TrainConfig) -> dict[str, type]:
     return result
 
 
+def _none_allowed(name: str) -> bool:
+    """Whether a field takes the word "none" as a value (``staleness``: asynchronous)."""
+    return any(f.name == name and f.metadata.get("none_allowed") for f in fields(TrainConfig))
+
+
 def coerce(name: str, value: Any, kind: type) -> Any:
     """Check (TOML) or convert (command line strings) one value to its field's type."""
     if value is None:
         return None
+    if isinstance(value, str) and value.strip().lower() == "none" and _none_allowed(name):
+        return None  # TOML has no null and a flag has no None: "none" says it
     if kind is bool:
         if isinstance(value, bool):
             return value

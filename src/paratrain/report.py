@@ -11,6 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paratrain.runtime.units import format_bytes
+
+__all__ = ["MetricsWriter", "format_bytes", "read_metrics", "summarize_metrics"]
+
 
 class MetricsWriter:
     """Appends records to ``path``, each stamped with seconds since the writer started."""
@@ -56,13 +60,17 @@ def summarize_metrics(path: str | Path) -> str:
         lines.append(
             f"  eval loss           {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
         )
+    if train and train[-1].get("skipped_steps"):
+        lines.append(f"  skipped steps       {train[-1]['skipped_steps']} (fp16 overflow)")
+    lines += [_memory_line(r) for r in records if r["kind"] == "memory"]
     return "\n".join(lines)
 
 
-def format_bytes(count: float) -> str:
-    """1536 -> '1.5 KiB': sizes from bytes to GiB, three significant figures."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(count) < 1024:
-            return f"{count:.3g} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1024
-    return f"{count:,.3g} GiB"
+def _memory_line(record: dict[str, Any]) -> str:
+    """One worker's ledger: peak total, then each category's peak."""
+    parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in record["peak"].items())
+    budget = f" of {format_bytes(record['budget'])}" if record.get("budget") else ""
+    return (
+        f"  memory worker {record['worker']:<5}peak {format_bytes(record['peak_total'])}{budget}"
+        + (f" ({parts})" if parts else "")
+    )

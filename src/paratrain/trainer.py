@@ -28,9 +28,10 @@ from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_data
 from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import strategy_names
 from paratrain.parallel.batching import check_divisible
+from paratrain.parallel.fit_advice import advice, parameter_share
 from paratrain.parallel.partition import check_stages, validate_balance
 from paratrain.parallel.strategy import RecordsTimeline
-from paratrain.report import MetricsWriter
+from paratrain.report import MetricsWriter, format_bytes
 from paratrain.resume import (
     checkpoint_metadata,
     find_checkpoint,
@@ -41,15 +42,21 @@ from paratrain.resume import (
 )
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
-from paratrain.runtime.launch import default_device_count
+from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
 from paratrain.runtime.mesh import check_degrees
+from paratrain.runtime.units import parse_size
 from paratrain.timeline import TIMELINE_FILE
 
 _TOKEN_MODELS = ("gpt",)
 _IMAGE_MODELS = ("lenet",)
 _STRATEGY_OPTIONS = {
-    "dp": ("bucket_mb",),
+    "single": ("recompute",),
+    "dp": ("bucket_mb", "recompute"),
     "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
+    "ps": ("servers", "staleness"),
+    "zero1": ("bucket_mb", "recompute"),
+    "zero2": ("bucket_mb", "recompute"),
+    "zero3": ("recompute",),
 }
 _TIMELINE_STEPS = 200  # the timeline file keeps the last this-many steps
 
@@ -71,6 +78,11 @@ class RunResult:
     checkpoint: Path
     metrics: Path
     sample_text: str | None = None
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    """Each worker's memory ledger (``MemoryLedger.record()``), in rank order."""
+    skipped_steps: int = 0
+    """Steps skipped because fp16 gradients overflowed."""
+    loss_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,7 +102,9 @@ def validate(config: TrainConfig) -> int:
             f"strategy 'single' trains on one device, but devices={devices}; "
             "pass --devices 1 or choose --strategy dp."
         )
-    replicas, micro = devices if config.strategy == "dp" else 1, config.gradient_accumulation
+    check_ps(config, devices)
+    data_parallel = config.strategy in ("dp", "zero1", "zero2", "zero3", "ps")
+    replicas, micro = devices if data_parallel else 1, config.gradient_accumulation
     try:
         if config.strategy == "pipeline":
             replicas = check_degrees(devices, stages=config.stages)
@@ -99,6 +113,24 @@ def validate(config: TrainConfig) -> int:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return devices
+
+
+def check_ps(config: TrainConfig, devices: int) -> None:
+    """The ps options against where and how the run starts."""
+    if config.strategy == "ps" and in_external_job():
+        raise ConfigError(
+            "strategy 'ps' is not supported under torchrun/Slurm (it starts its own server "
+            "processes and needs paratrain's launcher to outlive a lost worker); run "
+            "`paratrain train` directly, or use --strategy dp."
+        )
+    straggler = config.straggler_setting()
+    if straggler is not None and config.strategy != "ps":
+        raise ConfigError("--straggler is a ps option; pass --strategy ps or drop --straggler.")
+    if straggler is not None and straggler["rank"] >= devices:
+        raise ConfigError(
+            f"--straggler names worker {straggler['rank']}, but the run has {devices} "
+            f"worker(s) (0..{devices - 1})."
+        )
 
 
 def check_layers(config: TrainConfig, bundle: DatasetBundle) -> None:
@@ -113,6 +145,38 @@ def check_layers(config: TrainConfig, bundle: DatasetBundle) -> None:
             validate_balance(config.balance_list(), layers=layers, stages=config.stages)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_memory(config: TrainConfig, bundle: DatasetBundle, devices: int) -> None:
+    """Refuse a budget that the parameters alone exceed, counted on a meta-device model.
+
+    Only what is certain before training is checked (parameters, at the share the strategy
+    gives each worker at best); gradients, optimizer state and activations are checked by
+    each worker's ledger from the first step on.
+    """
+    budget = parse_size(config.memory_per_device)
+    if budget is None:
+        return
+    with torch.device("meta"):
+        model = build_model(config.model, **model_options(config, bundle))
+    parameters = list(dict.fromkeys(model.parameters()))
+    share = parameter_share(config.strategy, workers=devices, stages=config.stages)
+    if share is None:
+        return
+    held = sum(p.numel() * p.element_size() for p in parameters) * share
+    if held > budget:
+        raise ConfigError(
+            f"the parameters alone need {format_bytes(held)} per worker under strategy "
+            f"{config.strategy!r}, over --memory-per-device {format_bytes(budget)}; "
+            + advice(
+                parameters=sum(p.numel() for p in parameters),
+                workers=devices,
+                budget=budget,
+                candidates=strategy_names(),
+                current=config.strategy,
+            )
+            + "."
+        )
 
 
 def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
@@ -188,6 +252,7 @@ def fit(config: TrainConfig) -> RunResult:
     bundle = load_data(config)
     check_pairing(config, bundle)
     check_layers(config, bundle)
+    check_memory(config, bundle, devices)
     resume_from = find_checkpoint(config.resume) if config.resume else None
     saved_step = read_manifest(resume_from).get("step", 0) if resume_from else 0
     if saved_step >= config.steps:
@@ -202,7 +267,9 @@ def fit(config: TrainConfig) -> RunResult:
     reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
     if isinstance(reports, dict):  # inside torchrun: this rank's report only
         reports = [reports]
-    lead = reports[0]
+    lost = {r.rank: r.reason for r in reports if isinstance(r, LostWorker)}
+    lead = next(r for r in reports if not isinstance(r, LostWorker))
+    reports = [_lost_report(lead) if isinstance(r, LostWorker) else r for r in reports]
     result = RunResult(
         config=config,
         devices=devices,
@@ -216,7 +283,12 @@ def fit(config: TrainConfig) -> RunResult:
         activation_peak_bytes=[r["activation_peak_bytes"] for r in reports],
         checkpoint=Path(lead["checkpoint"]),
         metrics=Path(lead["metrics"]),
+        memory=[r["memory"] for r in reports],
+        skipped_steps=lead["skipped_steps"],
+        loss_scale=lead["loss_scale"],
     )
+    if config.strategy == "ps":
+        _ps_result(result, [r for r in reports if r["rank"] is not None], lost)
     if config.model == "gpt" and config.sample_chars:
         from paratrain.sampling import sample_text
 
@@ -226,9 +298,42 @@ def fit(config: TrainConfig) -> RunResult:
     return result
 
 
+def _lost_report(lead: dict[str, Any]) -> dict[str, Any]:
+    """The report of a worker lost in a ps run: nothing measured."""
+    return {
+        **dict.fromkeys(lead),
+        "model_state_bytes": dict.fromkeys(lead["model_state_bytes"]),
+        "memory": {},
+    }
+
+
+def _ps_result(result: RunResult, live: list[dict[str, Any]], lost: dict[int, str]) -> None:
+    """ps: every worker trains at its own pace on its share, so the run's throughput is the
+    sum of the workers' and its train loss the mean of their last shares' losses. Each
+    worker skips its own overflowing fp16 pushes, so skipped steps add up too."""
+    result.samples_per_s = sum(r["samples_per_s"] for r in live)
+    result.skipped_steps = sum(r["skipped_steps"] for r in live)
+    result.final_train_loss = sum(r["final_train_loss"] for r in live) / len(live)
+    result.extra["ps"] = live[0]["ps"]
+    result.extra["lost_workers"] = lost
+
+
 def strategy_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, Any]:
-    """The engine's strategy-specific keywords, from the config."""
+    """The engine's keywords from the config: strategy-specific ones, and shared ones.
+
+    The shared options every engine takes (precision, memory_per_device) are passed only
+    when they differ from the engines' defaults, which keeps a user's custom engine that
+    predates them working.
+    """
     options = {k: getattr(config, k) for k in _STRATEGY_OPTIONS.get(config.strategy, ())}
+    if config.precision != "fp32":
+        options["precision"] = config.precision
+    if config.memory_per_device is not None:
+        options["memory_per_device"] = config.memory_per_device
+    if config.strategy == "ps":
+        options["timeout_s"] = config.timeout
+        if config.straggler is not None:
+            options["straggler"] = config.straggler_setting()
     if config.strategy == "pipeline":
         options["balance"] = config.balance_list()
         if config.balance_by in ("time", "memory"):
@@ -256,6 +361,20 @@ def write_timeline(engine, run_dir: str) -> None:
             for event in part["events"]:
                 handle.write(json.dumps(event) + "\n")
             handle.write(json.dumps(part["peak"]) + "\n")
+
+
+def write_memory(engine, metrics: MetricsWriter | None) -> list[dict[str, Any]]:
+    """Gather every worker's memory ledger to rank 0, which writes one record per worker."""
+    own = engine.memory.ledger.record()
+    gathered = [own]
+    # ps workers never wait on one another (a lost worker would hang the gather).
+    if comm.distributed() and not getattr(engine, "independent_workers", False):
+        gathered = [None] * comm.world_size() if comm.rank() == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+    if metrics:
+        for record in gathered:
+            metrics.write("memory", **record)
+    return gathered or []
 
 
 def _evaluate(engine, loader: GlobalBatchLoader, count: int) -> float:
@@ -325,6 +444,8 @@ def train_worker(
                 loss=stats.loss,
                 samples_per_s=samples_per_s,
                 comm_bytes=stats.comm_bytes,
+                skipped_steps=stats.skipped_steps,
+                **({"loss_scale": stats.loss_scale} if config.precision == "fp16" else {}),
             )
         if bar is not None:
             bar.update(1)
@@ -333,9 +454,13 @@ def train_worker(
         bar.close()
     if isinstance(engine, RecordsTimeline):
         write_timeline(engine, run_dir)
+    if config.strategy == "ps":  # the final checkpoint holds every live worker's pushes
+        engine.finish(wait=True)
     checkpoint = Path(run_dir) / "final"
     engine.save_checkpoint(checkpoint, metadata=checkpoint_metadata(config, train_loader))
+    write_memory(engine, metrics)
     total = time.perf_counter() - timed_from
+    ps = engine.ps_metrics() if config.strategy == "ps" else None
     report = {
         "rank": comm.rank(),
         "final_train_loss": stats.loss,
@@ -344,15 +469,20 @@ def train_worker(
         "peak_memory_bytes": peak_memory_bytes(engine.device),
         "parameter_bytes": engine.parameter_bytes,
         "model_state_bytes": engine.model_state_bytes(),
-        "activation_peak_bytes": (
-            engine.activation_peak_bytes() if isinstance(engine, RecordsTimeline) else None
-        ),
+        "activation_peak_bytes": engine.memory.activation_peak_bytes(),
+        "memory": engine.memory.ledger.record(),
+        "skipped_steps": stats.skipped_steps,
+        "loss_scale": stats.loss_scale,
         "checkpoint": str(checkpoint),
         "metrics": str(Path(run_dir) / "metrics.jsonl"),
+        **({"ps": ps} if ps is not None else {}),
     }
     if metrics:
-        metrics.write("summary", **{k: v for k, v in report.items() if k != "rank"})
+        skip = ("rank", "memory")  # memory has its own records, one per worker
+        metrics.write("summary", **{k: v for k, v in report.items() if k not in skip})
         metrics.close()
+    if ps is not None:
+        engine.close()
     return report
 
 

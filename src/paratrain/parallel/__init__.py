@@ -1,6 +1,12 @@
 """Parallel strategies behind one Engine interface; importing registers them all."""
 
-from paratrain.parallel import data_parallel, pipeline, single  # noqa: F401  (registration)
+from paratrain.parallel import (  # noqa: F401  (registration)
+    data_parallel,
+    parameter_server,
+    pipeline,
+    single,
+    zero,
+)
 from paratrain.parallel.batching import BatchSplitError
 from paratrain.parallel.strategy import Engine, StepStats, create_engine, strategy_names
 

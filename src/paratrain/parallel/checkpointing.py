@@ -4,6 +4,7 @@ Works on any engine through a few hooks it exposes (``named_local_state``,
 ``named_local_parameters``, ``writes_shard``, ``optimizer``), so every strategy saves
 and every strategy loads, at any device count: a worker writes the part of the state it
 owns, and a worker loading takes, by name, the part it now needs.
+Engines whose state is flat-sharded (ZeRO) implement ``ShardedCheckpointState`` instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from paratrain.checkpoint import (
     write_shard,
 )
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
+from paratrain.parallel.strategy import ShardedCheckpointState
 from paratrain.runtime import comm
 
 if TYPE_CHECKING:
@@ -48,7 +50,15 @@ def save_engine_checkpoint(
     staging = staging_dir(directory)
     files: dict[str, dict] = {}
     groups = None
-    if engine.writes_shard():
+    if isinstance(engine, ShardedCheckpointState):
+        model_state, optim_tensors, groups = engine.gather_checkpoint_state()
+        if engine.writes_shard():
+            files[f"model-{rank}.safetensors"] = write_shard(staging, "model", rank, model_state)
+            if engine.optimizer is not None:
+                files[f"optim-{rank}.safetensors"] = write_shard(
+                    staging, "optim", rank, optim_tensors
+                )
+    elif engine.writes_shard():
         names = {id(p): name for name, p in engine.named_local_parameters()}
         files[f"model-{rank}.safetensors"] = write_shard(
             staging, "model", rank, engine.named_local_state()
@@ -101,6 +111,11 @@ def load_engine_checkpoint(engine: Engine, directory: str | Path) -> Checkpoint:
             f"{checkpoint.directory} holds {extra[0]!r}, which this model does not have: it was "
             "saved from a different model."
         )
+    if isinstance(engine, ShardedCheckpointState):
+        engine.load_checkpoint_state(checkpoint)
+        _restore_rng(engine, checkpoint)
+        engine.steps_taken = checkpoint.step
+        return checkpoint
     with torch.no_grad():
         for name, tensor in local.items():
             tensor.copy_(checkpoint.tensor("model", name))

@@ -8,6 +8,12 @@ the same function as the single-device engine on the same global batch.
 
 Buffers (e.g. BatchNorm running statistics) are made equal at start and then stay per
 replica, as with DDP's ``broadcast_buffers=False``; rank 0's are the ones saved.
+
+Mixed precision: forwards run under the ``Precision``'s autocast; under fp16 the loss is
+multiplied by the loss scale too, and since the all-reduced gradients are identical on
+every replica, each replica's own inf/NaN check takes the same skip decision without a
+message. The memory ledger books the gradient buckets as gradients and the loss slot
+riding in the last bucket as a communication buffer.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from paratrain.parallel.batching import (
     to_device,
 )
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
+from paratrain.parallel.precision import Precision
+from paratrain.parallel.recompute import recomputing_forward
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
 from paratrain.runtime import comm
@@ -47,7 +55,8 @@ class DataParallelEngine(Engine):
 
     Options: ``bucket_mb`` (all-reduce bucket size, DDP's default 25), ``first_bucket_mb``
     (the first bucket's size), ``group`` (the process group of the replicas; the whole job
-    by default).
+    by default), ``recompute`` (keep only each layer's input for backward and recompute
+    the rest; see ``recompute``).
 
     ``first_bucket_mb`` defaults by backend. On NCCL it is 1 MiB, as in DDP: a small first
     message leaves early and the GPU's copy engines overlap it with the rest of backward.
@@ -63,12 +72,20 @@ class DataParallelEngine(Engine):
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
         bucket_mb: float = 25.0,
         first_bucket_mb: float | None = None,
         group: ProcessGroup | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__(
-            model, optimizer=optimizer, loss_fn=loss_fn, gradient_accumulation=gradient_accumulation
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
         )
         require_process_group(self.name)
         if first_bucket_mb is None:
@@ -93,11 +110,31 @@ class DataParallelEngine(Engine):
                 bucket_bytes=int(bucket_mb * MiB),
                 first_bucket_bytes=int(first_bucket_mb * MiB),
             )
+        self.recompute = recompute
+        self._forward = recomputing_forward(self.model) if recompute else self.model
         self.optimizer = optimizer(self.model.parameters())
+        self.memory.watch(
+            self.model.parameters(),
+            model_state=self.model_state_bytes,
+            communication=self._loss_slot_bytes,
+        )
 
     @property
     def world_size(self) -> int:
         return self._replicas
+
+    def _loss_slot_bytes(self) -> int:
+        """Bytes of the extra slots (the step's loss) riding in the gradient buckets."""
+        if self.reducer is None:
+            return 0
+        return sum(b.extra_slots * b.buffer.element_size() for b in self.reducer.buckets)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """As ``Engine``'s, with the buckets' loss slot left to communication buffers."""
+        state = super().model_state_bytes()
+        if state["gradients"]:
+            state["gradients"] -= self._loss_slot_bytes()
+        return state
 
     def _share(self, batch: Any) -> Any:
         """This replica's contiguous slice of the global batch, on its device."""
@@ -114,26 +151,35 @@ class DataParallelEngine(Engine):
             self.reducer.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        self.memory.begin_step(self.steps_taken)
         scale = 1.0 / (k * replicas)
+        backward_scale = self.precision.loss_factor(scale)
         local_sum = torch.zeros((), device=self._device)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
-            loss = self.loss_fn(self.model(micro_in), micro_tgt)
+            with self.memory.forward(index), self.precision.autocast(self._device):
+                loss = self.loss_fn(self._forward(micro_in), micro_tgt)
             local_sum += loss.detach()
             if self.reducer is not None and index == k - 1:
                 self.reducer.arm(extras=local_sum * scale)
-            (loss if scale == 1.0 else loss * scale).backward()
+            (loss if backward_scale == 1.0 else loss * backward_scale).backward()
+            self.memory.release(index)
         if self.reducer is not None:
             mean_loss = float(self.reducer.finish(extras_count=1)[0])
         else:
             mean_loss = float(local_sum / k)
-        self.optimizer.step()
+        grads = (p.grad for p in self.model.parameters())  # read only under fp16
+        if self.precision.unscale_and_check(grads, synchronized=True):
+            self.optimizer.step()
         self.steps_taken += 1
+        self.memory.end_step()
         return StepStats(
             loss=mean_loss,
             step=self.steps_taken,
             samples=samples,
             comm_bytes=comm.bytes_sent() - bytes_before,
+            skipped_steps=self.precision.skipped_steps,
+            loss_scale=self.precision.scale,
         )
 
     @torch.no_grad()
@@ -143,7 +189,9 @@ class DataParallelEngine(Engine):
         was_training = self.model.training
         self.model.eval()
         share_in, share_tgt = self._share(inputs), self._share(targets)
-        loss = self.loss_fn(self.model(share_in), share_tgt).detach().reshape(1) / replicas
+        with self.precision.autocast(self._device):
+            loss = self.loss_fn(self.model(share_in), share_tgt)
+        loss = loss.detach().reshape(1) / replicas
         self.model.train(was_training)
         if replicas > 1:
             comm.all_reduce_sum(loss, group=self.group)

@@ -129,6 +129,11 @@ class StageLink:
         self._loss = None
         return loss[0]
 
+    def held_bytes(self) -> int:
+        """Bytes of receive buffers posted and sends not yet flushed (for the memory ledger)."""
+        posted = [*self._activations.values(), *self._gradients.values(), *self._sends]
+        return sum(buffer.numel() * buffer.element_size() for _, buffer in posted)
+
     def flush(self) -> None:
         """Wait until every send has left (their buffers may then be reused)."""
         for work, _ in self._sends:

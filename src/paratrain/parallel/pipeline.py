@@ -10,12 +10,18 @@ all-reduce the dp engine uses.
 
 Equal to the single-device engine: micro-batch losses are scaled by 1/(micro-batches x
 accumulation rounds x replicas), so the summed gradients are those of the global-batch mean.
+
+Mixed precision: each stage runs its layers under the ``Precision``'s autocast, so the
+activations and gradients passed between stages travel in bf16/fp16. Under fp16 the loss
+scale multiplies the last stage's loss; each stage holds different gradients, so whether
+to skip an overflowing step is voted on by the whole job (one all-reduce of a flag).
+The memory ledger counts the stage's saved activations and, as communication buffers,
+the point-to-point buffers posted and not yet flushed.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -35,6 +41,7 @@ from paratrain.parallel.partition import (
     stage_bounds,
     validate_balance,
 )
+from paratrain.parallel.precision import Precision
 from paratrain.parallel.schedules import get_schedule
 from paratrain.parallel.strategy import (
     Engine,
@@ -45,11 +52,7 @@ from paratrain.parallel.strategy import (
     register,
 )
 from paratrain.runtime import comm
-from paratrain.runtime.memory import ActivationMeter
 from paratrain.runtime.mesh import pipeline_mesh
-
-METER_EVERY = 50
-"""Activation bytes are counted on the first step and every this-many steps after."""
 
 
 def choose_balance(
@@ -103,6 +106,8 @@ class PipelineEngine(RecordsTimeline, Engine):
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
         stages: int = 2,
         micro_batches: int | None = None,
         schedule: str = "1f1b",
@@ -113,7 +118,12 @@ class PipelineEngine(RecordsTimeline, Engine):
         bucket_mb: float = 25.0,
     ) -> None:
         super().__init__(
-            model, optimizer=optimizer, loss_fn=loss_fn, gradient_accumulation=gradient_accumulation
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
         )
         require_process_group(self.name)
         layers, prefix = layer_list(model)
@@ -153,11 +163,14 @@ class PipelineEngine(RecordsTimeline, Engine):
             next_rank=None if self.mesh.is_last else self.mesh.next_rank,
             window=stages,
         )
-        self._metering = True
         self._losses: list[torch.Tensor] = []
         self._step_loss: torch.Tensor | None = None
-        self.activations = ActivationMeter(exclude=list(self.module.parameters()))
         self.events: list[dict[str, Any]] = []
+        self.memory.watch(
+            self.module.parameters(),
+            model_state=self.model_state_bytes,
+            communication=self.link.held_bytes,
+        )
 
     # -- Engine interface ---------------------------------------------------------------
 
@@ -184,7 +197,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         return {"rank": self.rank, "stage": self.mesh.stage, "replica": self.mesh.replica}
 
     def activation_peak_bytes(self) -> int:
-        return self.activations.peak
+        return self.memory.activation_peak_bytes() or 0
 
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)
@@ -199,7 +212,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             self.optimizer.zero_grad(set_to_none=True)
         share_in = take_share(inputs, self.mesh.replica, replicas)
         share_tgt = take_share(targets, self.mesh.replica, replicas)
-        self._metering = self.steps_taken % METER_EVERY == 0
+        self.memory.begin_step(self.steps_taken)
         self._losses = []
         self._step_loss = None
         for index, (round_in, round_tgt) in enumerate(
@@ -209,14 +222,19 @@ class PipelineEngine(RecordsTimeline, Engine):
         loss = self._step_loss
         if self.reducer is not None:
             loss = self.reducer.finish(extras_count=1)[0]
-        if self.optimizer is not None:
+        grads = (p.grad for p in self.module.parameters())  # read only under fp16
+        finite = self.precision.unscale_and_check(grads, device=self._device)  # whole-job vote
+        if finite and self.optimizer is not None:
             self.optimizer.step()
         self.steps_taken += 1
+        self.memory.end_step()
         return StepStats(
             loss=float(loss),
             step=self.steps_taken,
             samples=samples,
             comm_bytes=comm.bytes_sent() - bytes_before,
+            skipped_steps=self.precision.skipped_steps,
+            loss_scale=self.precision.scale,
         )
 
     @torch.no_grad()
@@ -231,10 +249,11 @@ class PipelineEngine(RecordsTimeline, Engine):
         losses = []
         for m in range(micro):
             x = share_in[m].to(self._device) if self.mesh.is_first else self.link.recv_activation(m)
-            y = self.module(x)
-            if self.mesh.is_last:
-                losses.append(self.loss_fn(y, share_tgt[m].to(self._device)).detach())
-            else:
+            with self.precision.autocast(self._device):
+                y = self.module(x)
+                if self.mesh.is_last:
+                    losses.append(self.loss_fn(y, share_tgt[m].to(self._device)).detach())
+            if not self.mesh.is_last:
                 self.link.send_activation(y, m)
         loss = self._pass_loss_back(lambda: torch.stack(losses).mean())
         self.link.flush()
@@ -304,11 +323,8 @@ class PipelineEngine(RecordsTimeline, Engine):
                     "end": time.perf_counter(),
                 }
             )
+            self.memory.book_communication()
         self.link.flush()
-
-    def _recording(self, m: int):
-        """Count saved activations on sampled steps only (a Python call per saved tensor)."""
-        return self.activations.record(m) if self._metering else nullcontext()
 
     def _forward(self, m, micro_in, micro_tgt, held, scale: float) -> float:
         """Receive (or take) micro-batch ``m``, run the stage, pass the result on.
@@ -320,7 +336,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         start = time.perf_counter()
         if x.is_floating_point() and not self.mesh.is_first:
             x.requires_grad_(True)
-        with self._recording(m):
+        with self.memory.forward(m), self.precision.autocast(self._device):
             y = (
                 checkpoint(self.module, x, use_reentrant=False)
                 if self.recompute
@@ -329,7 +345,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             if self.mesh.is_last:
                 loss = self.loss_fn(y, micro_tgt[m].to(self._device))
                 self._losses.append(loss.detach())
-                y = loss * scale
+                y = loss * self.precision.loss_factor(scale)
         if not self.mesh.is_last:
             self.link.send_activation(y, m)
             self.link.expect_gradient(m, y)
@@ -351,11 +367,10 @@ class PipelineEngine(RecordsTimeline, Engine):
             if self.reducer is not None:
                 self.reducer.arm(extras=self._step_loss / self.mesh.replicas)
         start = time.perf_counter()
-        with self._recording(m):
+        with self.memory.recording(m):
             if y.requires_grad:
                 y.backward(grad)
-        if self._metering:
-            self.activations.release(m)
+        self.memory.release(m)
         if not self.mesh.is_first:
             self.link.send_gradient(x.grad, m)
         return start

@@ -2,7 +2,9 @@
 
 Deliberately the plain PyTorch loop (forward, loss, backward, step), with gradient
 accumulation splitting the global batch into equal micro-batches whose losses are scaled
-by 1/k so that the accumulated gradient is the gradient of the global-batch mean.
+by 1/k so that the accumulated gradient is the gradient of the global-batch mean. Mixed
+precision, recompute and the memory ledger hook in exactly as in the dp engine, so that
+each is compared with the same reference.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 from torch import nn
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
+from paratrain.parallel.precision import Precision
+from paratrain.parallel.recompute import recomputing_forward
 from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
 
 
@@ -23,7 +27,10 @@ def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @register("single")
 class SingleDeviceEngine(Engine):
-    """Train on this worker's device alone, ignoring any process group."""
+    """Train on this worker's device alone, ignoring any process group.
+
+    Options: ``recompute`` (keep only each layer's input for backward; see ``recompute``).
+    """
 
     def __init__(
         self,
@@ -32,12 +39,23 @@ class SingleDeviceEngine(Engine):
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__(
-            model, optimizer=optimizer, loss_fn=loss_fn, gradient_accumulation=gradient_accumulation
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
         )
         self.model = model.to(self._device)
+        self.recompute = recompute
+        self._forward = recomputing_forward(self.model) if recompute else self.model
         self.optimizer = optimizer(self.model.parameters())
+        self.memory.watch(self.model.parameters(), model_state=self.model_state_bytes)
 
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)
@@ -45,26 +63,42 @@ class SingleDeviceEngine(Engine):
         check_divisible(samples, replicas=1, micro_batches=k)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.memory.begin_step(self.steps_taken)
         total = torch.zeros((), device=self._device)
-        for micro_in, micro_tgt in zip(
-            split_micro(to_device(inputs, self._device), k),
-            split_micro(to_device(targets, self._device), k),
-            strict=True,
+        for index, (micro_in, micro_tgt) in enumerate(
+            zip(
+                split_micro(to_device(inputs, self._device), k),
+                split_micro(to_device(targets, self._device), k),
+                strict=True,
+            )
         ):
-            loss = self.loss_fn(self.model(micro_in), micro_tgt)
-            (loss / k).backward()
+            with self.memory.forward(index), self.precision.autocast(self._device):
+                loss = self.loss_fn(self._forward(micro_in), micro_tgt)
+            scaled = loss / k
+            (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
+            self.memory.release(index)
             total += loss.detach()
-        self.optimizer.step()
+        grads = (p.grad for p in self.model.parameters())  # read only under fp16
+        if self.precision.unscale_and_check(grads, synchronized=True):
+            self.optimizer.step()
         self.steps_taken += 1
-        return StepStats(loss=float(total / k), step=self.steps_taken, samples=samples)
+        self.memory.end_step()
+        return StepStats(
+            loss=float(total / k),
+            step=self.steps_taken,
+            samples=samples,
+            skipped_steps=self.precision.skipped_steps,
+            loss_scale=self.precision.scale,
+        )
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:
         was_training = self.model.training
         self.model.eval()
-        loss = self.loss_fn(
-            self.model(to_device(inputs, self._device)), to_device(targets, self._device)
-        )
+        with self.precision.autocast(self._device):
+            loss = self.loss_fn(
+                self.model(to_device(inputs, self._device)), to_device(targets, self._device)
+            )
         self.model.train(was_training)
         return float(loss)
 

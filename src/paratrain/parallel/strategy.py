@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from paratrain.parallel.memory_tracking import MemoryTracker
+from paratrain.parallel.precision import Precision
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 from paratrain.runtime.memory import model_state_bytes
@@ -37,6 +39,10 @@ class StepStats:
     """Samples in the global batch."""
     comm_bytes: int = 0
     """Payload bytes this worker handed to collectives during the step."""
+    skipped_steps: int = 0
+    """Steps skipped so far because fp16 gradients overflowed (``step`` counts them too)."""
+    loss_scale: float = 1.0
+    """The fp16 loss scale after this step (1.0 for fp32 and bf16)."""
 
 
 class Engine(ABC):
@@ -44,6 +50,12 @@ class Engine(ABC):
 
     Subclasses declare their strategy-specific options as keyword-only ``__init__``
     parameters; ``create_engine`` refuses any other keyword with one clear sentence.
+
+    Options every engine takes (subclasses pass them on to this ``__init__``):
+    ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``) gives ``self.precision``
+    (autocast, fp16 loss scaling); ``memory_per_device`` ("2GiB", bytes) gives the budget
+    of ``self.memory``, the worker's memory ledger. An engine adopts both with a few calls
+    (see ``precision.py`` and ``memory_tracking.py``; ``data_parallel.py`` is the model).
     """
 
     name: ClassVar[str]
@@ -55,6 +67,8 @@ class Engine(ABC):
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
@@ -73,6 +87,16 @@ class Engine(ABC):
         self.gradient_accumulation = gradient_accumulation
         self.steps_taken = 0
         self._device = current_device()
+        self.precision = Precision.of(precision)
+        # Counted before a strategy moves layers away or shards them: the whole model.
+        total_parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+        self.memory = MemoryTracker(
+            strategy=getattr(self, "name", type(self).__name__),
+            device=self._device,
+            memory_per_device=memory_per_device,
+            total_parameters=total_parameters,
+            candidates=strategy_names,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -126,6 +150,8 @@ class Engine(ABC):
         """
         from paratrain.parallel.checkpointing import save_engine_checkpoint
 
+        if self.precision.scales_loss:  # the fp16 loss scale is the same on every worker
+            metadata = {**(metadata or {}), "precision": self.precision.state_dict()}
         return save_engine_checkpoint(self, path, metadata=metadata)
 
     def load_checkpoint(self, path: str | Path):
@@ -135,7 +161,11 @@ class Engine(ABC):
         """
         from paratrain.parallel.checkpointing import load_engine_checkpoint
 
-        return load_engine_checkpoint(self, path)
+        checkpoint = load_engine_checkpoint(self, path)
+        saved = checkpoint.metadata.get("precision")
+        if saved and saved.get("name") == self.precision.name:
+            self.precision.load_state_dict(saved)
+        return checkpoint
 
     def named_local_state(self) -> dict[str, torch.Tensor]:
         """The model tensors this worker holds, live, under canonical names."""
@@ -180,6 +210,30 @@ class RecordsTimeline:
 
     def activation_peak_bytes(self) -> int:
         """Peak bytes of activations held for backward on this worker."""
+        raise NotImplementedError
+
+
+class ShardedCheckpointState:
+    """Mixin for engines whose tensors are flat slices that cut across parameters (ZeRO).
+
+    The default checkpoint hooks hand over whole live parameters; a flat slice is not one.
+    Such an engine instead gathers canonical tensors for the writer and, when loading,
+    takes its own slices, so its checkpoints keep the common format and load into any
+    engine at any device count (and any checkpoint loads into it).
+    """
+
+    def gather_checkpoint_state(
+        self,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """(model tensors, optimizer tensors by "name/key", optimizer groups), canonical.
+
+        Every worker calls it (it is collective); workers that do not write may get
+        empty results.
+        """
+        raise NotImplementedError
+
+    def load_checkpoint_state(self, checkpoint: Any) -> None:
+        """Take this worker's slices of the model and optimizer state from ``checkpoint``."""
         raise NotImplementedError
 
 
@@ -228,4 +282,10 @@ def create_engine(strategy: str, model: nn.Module, **options: Any) -> Engine:
             f"strategy {strategy!r} does not take option(s) {', '.join(unknown)}; "
             f"it accepts: {', '.join(accepted)}."
         )
-    return cls(model, **options)
+    engine = cls(model, **options)
+    if options.get("memory_per_device") is not None and not engine.memory.watching:
+        raise ValueError(
+            f"strategy {strategy!r} keeps no memory ledger yet, so it cannot hold a worker to "
+            "memory_per_device; leave that option out for this strategy."
+        )
+    return engine

@@ -65,6 +65,45 @@ def all_reduce_sum(
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
+def all_gather_flat(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+):
+    """Concatenate every rank's equal-sized ``shard`` into ``output`` (rank order).
+
+    Counts the shard, the payload this worker hands over. ``shard`` must not alias
+    ``output``. Gloo supports it natively in the torch versions we test (2.13).
+    """
+    _count("all_gather", shard)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if async_op:
+        return gather(output, shard, group=group, async_op=True)
+    with collective("all_gather"):
+        return gather(output, shard, group=group)
+
+
+def reduce_scatter_sum(
+    output: torch.Tensor,
+    flat: torch.Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+):
+    """Sum ``flat`` over ``group`` and leave this rank's 1/N slice of it in ``output``.
+
+    Counts ``flat``, the payload this worker hands over (as ``all_reduce_sum`` does).
+    """
+    _count("reduce_scatter", flat)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if async_op:
+        return scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with collective("reduce_scatter"):
+        return scatter(output, flat, op=dist.ReduceOp.SUM, group=group)
+
+
 def wait(work, op: str) -> None:
     """Wait for an asynchronous operation; a timeout names the ranks that did not arrive."""
     with collective(op):

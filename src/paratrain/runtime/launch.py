@@ -32,6 +32,7 @@ from paratrain.runtime.hang import STORE_ENV
 DEFAULT_TIMEOUT_S = 300.0
 _CHILD_FLAG = "PARATRAIN_LAUNCHED_WORKER"
 _COMM_ERROR_MARKERS = ("DistBackendError", "Connection closed by peer", "Connection reset", "gloo")
+TOLERATE_LOST_WORKERS_KEY = "paratrain/launch/tolerate_lost_workers"
 
 
 class WorkerError(RuntimeError):
@@ -42,6 +43,25 @@ class WorkerError(RuntimeError):
         self.details = details
         self.failures = failures or {rank: details}
         super().__init__(f"worker {rank} failed:\n{details}")
+
+
+@dataclass(frozen=True)
+class LostWorker:
+    """What ``launch`` returns for a worker that died in a job that goes on without it."""
+
+    rank: int
+    reason: str
+
+
+def tolerate_lost_workers(store: dist.Store) -> None:
+    """Mark the running job as one that goes on when a worker dies (called by a worker).
+
+    For engines whose workers never wait on one another (ps): ``launch`` then records a
+    worker killed by a signal, or gone without a result, as a ``LostWorker`` in its place
+    in the results and lets the others finish. A worker that raises still stops everyone,
+    and so does losing every worker.
+    """
+    store.set(TOLERATE_LOST_WORKERS_KEY, "1")
 
 
 @dataclass(frozen=True)
@@ -138,7 +158,7 @@ def launch(
     try:
         for process in processes:
             process.start()
-        results = _collect(processes, results_queue, devices)
+        results = _collect(processes, results_queue, devices, store)
         _join_all(processes, timeout_s=10.0)
         return results
     finally:
@@ -147,19 +167,30 @@ def launch(
         del store
 
 
-def _collect(processes: list, results_queue, world_size: int) -> list[Any]:
-    """Wait for every rank's result; on the first failure stop everyone and raise."""
+def _collect(processes: list, results_queue, world_size: int, store=None) -> list[Any]:
+    """Wait for every rank's result; on the first failure stop everyone and raise.
+
+    In a job marked by ``tolerate_lost_workers``, a worker that died is recorded as lost
+    instead, and the others go on.
+    """
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    lost: dict[int, str] = {}
     first_failure_at: float | None = None
     exited_without_result: dict[int, float] = {}
-    while len(results) < world_size:
+    while len(results) + len(lost) < world_size:
         if first_failure_at is not None and time.monotonic() - first_failure_at > 1.0:
             break
         try:
             kind, rank, payload = results_queue.get(timeout=0.05)
         except queue_module.Empty:
-            _note_dead_workers(processes, results, failures, exited_without_result)
+            before = set(failures)
+            _note_dead_workers(processes, {**results, **lost}, failures, exited_without_result)
+            deaths = set(failures) - before
+            if deaths and store is not None and store.check([TOLERATE_LOST_WORKERS_KEY]):
+                for rank in sorted(deaths):
+                    lost[rank] = failures.pop(rank)
+                    print(f"paratrain: {lost[rank]} The job goes on without it.", file=sys.stderr)
             if failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
             continue
@@ -173,7 +204,10 @@ def _collect(processes: list, results_queue, world_size: int) -> list[Any]:
         _stop_all(processes)
         rank = _root_cause(failures)
         raise WorkerError(rank, failures[rank], failures=failures)
-    return [results[rank] for rank in range(world_size)]
+    if not results:
+        rank = min(lost)
+        raise WorkerError(rank, f"every worker was lost; the first: {lost[rank]}", failures=lost)
+    return [results[r] if r in results else LostWorker(r, lost[r]) for r in range(world_size)]
 
 
 def _note_dead_workers(processes, results, failures, exited_without_result) -> None:

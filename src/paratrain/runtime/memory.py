@@ -78,6 +78,14 @@ class ActivationMeter:
         with saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
 
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Leave ``tensor``'s storage out from now on (parameters materialised on demand)."""
+        self._excluded.add(tensor.untyped_storage().data_ptr())
+
+    def include(self, tensor: torch.Tensor) -> None:
+        """Undo ``exclude`` before that storage is freed (its address may be reused)."""
+        self._excluded.discard(tensor.untyped_storage().data_ptr())
+
     def release(self, key: Hashable) -> None:
         """Backward for ``key`` is done: its saved activations are freed."""
         self.current -= self._bytes.pop(key, 0)

@@ -1,0 +1,302 @@
+"""paratrain ps (asynchronous, and staleness 2) against dp with a straggler, in one run.
+
+Four workers train ``gpt`` on tinyshakespeare, one of them (rank 1) three times slower
+than the others (it sleeps twice its measured step time after each step; under ps the
+engine's ``straggler`` option does the same around its compute). Each method trains from
+the same initial weights on the same global batches until ``--samples`` samples have been
+applied. The three methods run in the same worker processes, one after the other, in an
+order that rotates from launch to launch, so that machine noise hits all of them alike.
+
+Reported per method, medians over launches: samples/s (samples applied / wall time until
+the last worker stopped), wall time until the training loss, averaged over the most recent
+``--window`` global batches' worth of samples, first reaches the target loss (by default
+the loss dp reaches at 80% of its run, in the same launch), and the ratios to dp. The
+targets: ps at least 1.8x dp's samples/s, and at most 0.7x dp's time to the target loss.
+
+    python benchmarks/bench_ps.py                  # defaults: 4 workers, 3 launches
+    python benchmarks/bench_ps.py --repeats 1 --samples 640   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+from paratrain.data import build_dataset
+from paratrain.models import build_model, loss_for
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data"
+METHODS = {
+    "dp": {"strategy": "dp"},
+    "ps-async": {"strategy": "ps", "staleness": None},
+    "ps-staleness2": {"strategy": "ps", "staleness": 2},
+}
+TARGETS = {"samples_per_s": 1.8, "time_to_target": 0.7}
+
+
+def global_batches(data_dir: str, block: int, batch: int, count: int):
+    """The same ``count`` global batches of tinyshakespeare windows in every process."""
+    bundle = build_dataset("shakespeare", data_dir=data_dir, block_size=block)
+    order = torch.randperm(len(bundle.train), generator=torch.Generator().manual_seed(0))
+    picks = [order[i * batch : (i + 1) * batch] for i in range(count)]
+    return bundle.vocab_size, [bundle.train[p] for p in picks]
+
+
+def train_one(method: str, settings: dict, batches: list, budget: int, straggler: dict) -> dict:
+    """Train one method until ``budget`` samples are applied; returns this worker's records."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model("gpt", **settings["model"])
+    options = dict(METHODS[method])
+    strategy = options.pop("strategy")
+    if strategy == "ps":
+        options["straggler"] = straggler
+    engine = paratrain.setup(
+        model,
+        optimizer=lambda params: torch.optim.Adam(params, lr=settings["lr"]),
+        loss_fn=loss_for("gpt"),
+        strategy=strategy,
+        **options,
+    )
+    dist.barrier()  # the clock starts once every worker (and every server) is ready
+    start = time.time()
+    records, step = [], 0
+    while True:
+        if strategy == "dp" and step * len(batches[0][0]) >= budget:
+            break
+        if strategy == "ps" and engine.server_samples >= budget:
+            break
+        x, y = batches[step % len(batches)]
+        began = time.perf_counter()
+        stats = engine.train_step(x, y)
+        if strategy == "dp" and rank == straggler["rank"]:
+            time.sleep((straggler["slowdown"] - 1.0) * (time.perf_counter() - began))
+        records.append((time.time() - start, stats.loss, stats.samples))
+        step += 1
+    end = time.time() - start
+    result = {"records": records, "end": end, "steps": step}
+    if strategy == "ps":
+        engine.finish()
+        dist.barrier()  # benchmark only: every worker stopped before the metrics are read
+        result["metrics"] = engine.ps_metrics() if rank == 0 else None
+        engine.close()
+    else:
+        result["samples"] = step * len(batches[0][0])
+    dist.barrier()
+    return result
+
+
+def bench_worker(order: list[str], settings: dict, straggler: dict) -> dict:
+    vocab, batches = global_batches(
+        settings["data_dir"], settings["block"], settings["batch"], settings["batches"]
+    )
+    settings = {**settings, "model": {**settings["model"], "vocab_size": vocab}}
+    return {m: train_one(m, settings, batches, settings["samples"], straggler) for m in order}
+
+
+def time_to_target(records: list[tuple[float, float, int]], target: float, window: int):
+    """First time the loss averaged over the last ``window`` samples is at most ``target``."""
+    recent: deque[tuple[float, int]] = deque()
+    held = 0
+    for when, loss, samples in sorted(records):
+        recent.append((loss, samples))
+        held += samples
+        while held - recent[0][1] >= window:
+            held -= recent.popleft()[1]
+        if held >= window and sum(loss * n for loss, n in recent) / held <= target:
+            return when
+    return None
+
+
+def windowed_loss_at(records, fraction: float, window: int) -> float:
+    """The window-averaged loss at ``fraction`` of the run's samples (the default target)."""
+    ordered = sorted(records)
+    total = sum(n for _, _, n in ordered)
+    seen, recent = 0, deque()
+    for _, loss, samples in ordered:
+        seen += samples
+        recent.append((loss, samples))
+        while sum(n for _, n in recent) - recent[0][1] >= window:
+            recent.popleft()
+        if seen >= fraction * total:
+            break
+    return sum(loss * n for loss, n in recent) / sum(n for _, n in recent)
+
+
+def analyse(launch: list[dict], target: float | None, window: int) -> dict:
+    """Per method: samples/s, time to the target loss, and what ps measured."""
+    dp_records = launch[0]["dp"]["records"]
+    target = target if target is not None else windowed_loss_at(dp_records, 0.8, window)
+    out = {"target_loss": target}
+    for method in METHODS:
+        per_worker = [r[method] for r in launch]
+        wall = max(r["end"] for r in per_worker)
+        if method == "dp":
+            records, samples = dp_records, per_worker[0]["samples"]
+        else:
+            records = [rec for r in per_worker for rec in r["records"]]
+            samples = per_worker[0]["metrics"]["samples_applied"]
+        metrics = per_worker[0].get("metrics") or {}
+        out[method] = {
+            "samples_per_s": samples / wall,
+            "time_to_target": time_to_target(records, target, window),
+            "final_loss": windowed_loss_at(records, 1.0, window),
+            "pushes_per_s": metrics.get("pushes_per_s"),
+            "staleness_histogram": metrics.get("staleness_histogram"),
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    """``repeats`` launches, the method order rotating; medians and ratios over launches."""
+    settings = {
+        "data_dir": str(args.data_dir),
+        "block": args.block_size,
+        "batch": args.global_batch,
+        "batches": max(1, args.samples // args.global_batch),
+        "samples": args.samples,
+        "lr": args.lr,
+        "model": {
+            "block_size": args.block_size,
+            "n_layer": args.n_layer,
+            "n_head": args.n_head,
+            "n_embd": args.n_embd,
+        },
+    }
+    straggler = {"rank": args.straggler_rank, "slowdown": args.slowdown}
+    window = args.window * args.global_batch
+    launches = []
+    names = list(METHODS)
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        results = paratrain.launch(
+            bench_worker, devices=args.workers, args=(order, settings, straggler)
+        )
+        launches.append(analyse(results, args.target_loss, window))
+        print(f"launch {repeat + 1}/{args.repeats} (order {', '.join(order)}) done", flush=True)
+    return summarize(launches)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(launches: list[dict]) -> dict:
+    rows = {}
+    for method in METHODS:
+        runs = [launch[method] for launch in launches]
+        dp = [launch["dp"] for launch in launches]
+        rows[method] = {
+            "samples_per_s": _median([r["samples_per_s"] for r in runs]),
+            "time_to_target": _median([r["time_to_target"] for r in runs]),
+            "final_loss": _median([r["final_loss"] for r in runs]),
+            "samples_per_s_over_dp": _median(
+                [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(runs, dp, strict=True)]
+            ),
+            "time_to_target_over_dp": _median(
+                [
+                    r["time_to_target"] / d["time_to_target"]
+                    if r["time_to_target"] and d["time_to_target"]
+                    else None
+                    for r, d in zip(runs, dp, strict=True)
+                ]
+            ),
+            "reached_target": sum(r["time_to_target"] is not None for r in runs),
+            "pushes_per_s": runs[-1]["pushes_per_s"],
+            "staleness_histogram": runs[-1]["staleness_histogram"],
+        }
+    return {
+        "launches": len(launches),
+        "target_loss": [run["target_loss"] for run in launches],
+        **rows,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(summary: dict) -> str:
+    lines = [
+        "| method | samples/s | vs dp | time to target (s) | vs dp | final loss | reached "
+        "| pushes/s per worker | push staleness |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method in METHODS:
+        row = summary[method]
+        rates = row["pushes_per_s"]
+        rates = ", ".join(f"{w}: {r:.1f}" for w, r in sorted(rates.items())) if rates else "-"
+        histogram = row["staleness_histogram"]
+        histogram = (
+            ", ".join(f"{s}: {n}" for s, n in sorted(histogram.items())) if histogram else "-"
+        )
+        lines.append(
+            f"| {method} | {_fmt(row['samples_per_s'], '.1f')} "
+            f"| {_fmt(row['samples_per_s_over_dp'], '.2f')}x "
+            f"| {_fmt(row['time_to_target'], '.1f')} "
+            f"| {_fmt(row['time_to_target_over_dp'], '.2f')}x "
+            f"| {_fmt(row['final_loss'], '.3f')} | {row['reached_target']}/{summary['launches']} "
+            f"| {rates} | {histogram} |"
+        )
+    for method in ("ps-async", "ps-staleness2"):
+        row = summary[method]
+        speed, when = row["samples_per_s_over_dp"], row["time_to_target_over_dp"]
+        lines.append(
+            f"{method}: samples/s {_fmt(speed, '.2f')}x dp (target >= "
+            f"{TARGETS['samples_per_s']}x: {'met' if speed and speed >= 1.8 else 'NOT met'}), "
+            f"time to target {_fmt(when, '.2f')}x dp (target <= {TARGETS['time_to_target']}x: "
+            f"{'met' if when is not None and when <= 0.7 else 'NOT met'})"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--straggler-rank", type=int, default=1)
+    parser.add_argument("--slowdown", type=float, default=3.0)
+    parser.add_argument("--samples", type=int, default=32 * 80, help="samples each method trains")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--window", type=int, default=4, help="global batches the loss averages")
+    parser.add_argument("--target-loss", type=float, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="launches")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not (args.data_dir / "tinyshakespeare").exists():
+        print(f"bench_ps: no tinyshakespeare under {args.data_dir}; pass --data-dir.")
+        return 2
+    print(
+        f"torch {torch.__version__}; gpt on tinyshakespeare, {args.workers} workers, worker "
+        f"{args.straggler_rank} {args.slowdown:g}x slower, {args.samples} samples per method, "
+        f"{args.repeats} launch(es); medians over launches"
+    )
+    summary = run(args)
+    print(format_table(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Asynchronous data parallelism with parameter servers (``strategy="ps"``).
+
+engine.py         the worker's engine: pull, compute its share, push; state and metrics
+server.py         a server process: one shard, its optimizer, one thread per worker
+staleness.py      clocks, the staleness bound, the histogram (pure bookkeeping)
+sharding.py       parameters over servers, greedily by bytes (pure)
+optimizer_spec.py the user's optimizer described as JSON and rebuilt in a server
+protocol.py       message headers and packing over gloo point-to-point
+client.py         a worker's requests to all servers, bounded waits, clear errors
+spawn.py          starting servers, waiting for them, the workers-plus-servers group
+jobkeys.py        the few facts shared through the launch store
+checkpointing.py  checkpoints written and read by the servers
+"""
+
+from paratrain.parallel.parameter_server.client import ParameterServerLost
+from paratrain.parallel.parameter_server.engine import ParameterServerEngine
+
+__all__ = ["ParameterServerEngine", "ParameterServerLost"]

@@ -1,0 +1,403 @@
+"""``strategy="ps"``: asynchronous data parallelism through parameter servers.
+
+N worker processes compute gradients; ``servers`` extra processes hold the parameters and
+the optimizer state, split over the servers by bytes. Each step a worker pulls the
+current parameters (waiting only as long as the staleness bound says), computes the
+gradient of its contiguous share of the global batch (as dp does, with the same
+micro-batching), and pushes it; ``train_step`` returns once every server accepted the
+push. A server applies each push as it arrives (``staleness`` >= 1 or None), or, with
+``staleness=0``, averages one push from every live worker per version and takes one
+optimizer step, which makes the run equal to the single-device engine.
+
+Under asynchrony some things mean something narrower than under dp, on purpose (no worker
+may wait on another): ``StepStats.loss`` is the mean loss of this worker's share, and
+``StepStats.samples`` is the size of that share (the trainer adds the workers' rates up).
+``eval_step`` and ``state_dict`` read the servers' current parameters, which other workers
+may be changing at that moment. Buffers (none in the reference models) stay per worker.
+
+Mixed precision: workers run forwards under the ``Precision``'s autocast (bf16 or fp16);
+parameters, pushed gradients and the servers' optimizer state stay fp32. Under fp16 each
+worker scales its own loss, then unscales and checks its own gradients with no message
+(no worker may wait on another), so each worker has its own loss scale. A worker whose
+gradients overflowed pushes no gradient, only the fact that it took the step (see
+``protocol.py``): the servers never see inf/NaN, and a synchronous round does not wait for
+a gradient that will not come. How a round averages then is in ``server.py`` (over the
+pushes that carried gradients). ``StepStats.skipped_steps`` and ``loss_scale`` are this
+worker's; ``ps_metrics()["skipped_pushes"]`` counts every worker's.
+
+The engine never uses the job's default process group, so a worker that dies hangs
+nobody: the servers retire it and, with ``paratrain.launch``, the run goes on without it.
+Under torchrun there is no launch store and nobody to tolerate a lost worker, so the
+strategy is refused there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from paratrain.parallel.batching import (
+    batch_size,
+    check_divisible,
+    split_micro,
+    take_share,
+    to_device,
+)
+from paratrain.parallel.parameter_server import jobkeys, spawn
+from paratrain.parallel.parameter_server.client import ServerLink
+from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
+from paratrain.parallel.parameter_server.protocol import Op, ShardLayout
+from paratrain.parallel.parameter_server.sharding import ParamSpec, assign_shards, check_servers
+from paratrain.parallel.parameter_server.staleness import check_bound
+from paratrain.parallel.precision import Precision
+from paratrain.parallel.single import canonical_state
+from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
+from paratrain.runtime import comm
+from paratrain.runtime.launch import in_external_job, tolerate_lost_workers
+
+_engines = itertools.count()  # every worker builds its engines in the same order
+
+
+def check_straggler(straggler: object, workers: int) -> dict[str, Any] | None:
+    """Refuse a straggler setting that is not ``{"rank": r, "slowdown": s}`` (s >= 1)."""
+    if straggler is None:
+        return None
+    if not isinstance(straggler, dict) or set(straggler) != {"rank", "slowdown"}:
+        raise ValueError(
+            f"straggler must be a dict {{'rank': worker, 'slowdown': factor}}, not {straggler!r}."
+        )
+    rank, slowdown = straggler["rank"], straggler["slowdown"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < workers:
+        raise ValueError(f"straggler rank must be a worker rank in 0..{workers - 1}, not {rank!r}.")
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1:
+        raise ValueError(f"straggler slowdown must be a number >= 1, not {slowdown!r}.")
+    return {"rank": rank, "slowdown": float(slowdown)}
+
+
+def require_launch() -> None:
+    """Refuse to run outside paratrain.launch (torchrun, or a plain process), saying why."""
+    if in_external_job():
+        raise RuntimeError(
+            "strategy 'ps' is not supported under torchrun/Slurm: it starts its server "
+            "processes on this machine and relies on paratrain.launch to keep the run going "
+            "when a worker dies; start it with paratrain.launch (or `paratrain train`), or "
+            "use strategy 'dp' under torchrun."
+        )
+    if not comm.distributed():
+        raise RuntimeError(
+            "strategy 'ps' needs worker processes: call paratrain.setup inside a function run "
+            "by paratrain.launch(...), or use strategy='single'."
+        )
+
+
+@register("ps")
+class ParameterServerEngine(Engine):
+    """Workers compute, servers own parameters and optimizer state; bounded staleness.
+
+    Options: ``servers`` (server processes, default 1), ``staleness`` (0 = synchronous,
+    k = at most k steps ahead of the slowest live worker, None = asynchronous),
+    ``straggler`` (``{"rank": r, "slowdown": s}``: worker r sleeps (s - 1) times its
+    compute time each step; for tests and benchmarks), ``timeout_s`` (the longest any
+    wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
+    """
+
+    independent_workers: ClassVar[bool] = True
+    """No worker ever waits on another, so callers must not gather over the default group."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
+        servers: int = 1,
+        staleness: int | None = 0,
+        straggler: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
+        )
+        require_launch()
+        self.staleness = check_bound(staleness)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
+        self.timeout_s = float(timeout_s)
+        self.model = model.to(self._device)
+        self._params = list(self.model.named_parameters())
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self._params]
+        self.servers = check_servers(servers, len(specs))
+        self._workers, self._rank = comm.world_size(), comm.rank()
+        self.straggler = check_straggler(straggler, self._workers)
+        shards = assign_shards(specs, self.servers)
+        self._layouts = [ShardLayout(shard) for shard in shards]
+        by_name = dict(self._params)
+        self._shard_params = [[by_name[s.name] for s in shard] for shard in shards]
+        self.optimizer = None  # the servers hold it
+        self._prefix = f"paratrain/ps/{next(_engines)}"
+        self.store = jobkeys.connect(timeout_s=timeout_s)
+        self._processes = []
+        if self._rank == 0:
+            tolerate_lost_workers(self.store)
+            spec = {
+                "workers": self._workers,
+                "servers": self.servers,
+                "staleness": self.staleness,
+                "shards": [[s.to_json() for s in shard] for shard in shards],
+                "optimizer": describe_optimizer(optimizer, self.model),
+            }
+            self._processes = spawn.start_servers(self.store, self._prefix, spec)
+        spawn.wait_until_ready(self.store, self._prefix, self.servers, self._processes, timeout_s)
+        group = spawn.join_group(
+            self.store, self._prefix, self._rank, self._workers + self.servers, timeout_s
+        )
+        self.link = ServerLink(
+            group,
+            self._layouts,
+            workers=self._workers,
+            timeout_s=timeout_s,
+            store=self.store,
+            prefix=self._prefix,
+        )
+        self._versions = [0] * self.servers
+        self.server_samples = 0
+        """Samples whose gradients server 0 had applied at this worker's last push."""
+        self._closed = False
+        self._finished = False
+        self._claims: dict[str, int] = {}
+        if self._rank == 0:
+            self._set_parameters()  # the servers start from worker 0's initial parameters
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._workers
+
+    def train_step(self, inputs: Any, targets: Any) -> StepStats:
+        if self._finished:
+            raise RuntimeError(
+                "this worker called finish() and may not push again; build a new engine to "
+                "train further."
+            )
+        samples = batch_size(inputs)
+        workers, k = self._workers, self.gradient_accumulation
+        check_divisible(samples, replicas=workers, micro_batches=k)
+        bytes_before = self.link.bytes_sent
+        self._pull()
+        started = time.perf_counter()
+        share_in = to_device(take_share(inputs, self._rank, workers), self._device)
+        share_tgt = to_device(take_share(targets, self._rank, workers), self._device)
+        self.model.train()
+        for _, param in self._params:
+            param.grad = None
+        total = torch.zeros((), device=self._device)
+        loss_scale = self.precision.loss_factor()  # 1 but under fp16; servers average workers
+        for micro_in, micro_tgt in zip(
+            split_micro(share_in, k), split_micro(share_tgt, k), strict=True
+        ):
+            with self.precision.autocast(self._device):
+                loss = self.loss_fn(self.model(micro_in), micro_tgt)
+            scaled = loss if k == 1 else loss / k  # as single divides: fp32 bit for bit
+            (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
+            total += loss.detach()
+        share_loss = float(total / k)
+        # fp16: this worker's own gradients decide, with no message (``synchronized=True``
+        # skips the vote): no ps worker may wait on another, and it pushes only its own.
+        grads = (param.grad for _, param in self._params)
+        carries = self.precision.unscale_and_check(grads, synchronized=True)
+        self._straggle(time.perf_counter() - started)
+        self._push(samples // workers, skipped=not carries)
+        self.steps_taken += 1
+        return StepStats(
+            loss=share_loss,
+            step=self.steps_taken,
+            samples=samples // workers,
+            comm_bytes=self.link.bytes_sent - bytes_before,
+            skipped_steps=self.precision.skipped_steps,
+            loss_scale=self.precision.scale,
+        )
+
+    def _straggle(self, compute_s: float) -> None:
+        if self.straggler is not None and self.straggler["rank"] == self._rank:
+            time.sleep((self.straggler["slowdown"] - 1.0) * compute_s)
+
+    def _pull(self) -> None:
+        """Copy the servers' current parameters into this worker's model, once the
+        staleness bound lets this worker start its next step."""
+        buffers = [layout.empty() for layout in self._layouts]
+        replies = self.link.request(Op.PULL, clock=self.steps_taken, reply_payloads=buffers)
+        with torch.no_grad():
+            for s, (header, flats) in enumerate(replies):
+                self._versions[s] = int(header[1])
+                views = self._layouts[s].views(flats)
+                for param, value in zip(self._shard_params[s], views, strict=True):
+                    param.copy_(value)
+
+    def _push(self, samples: int, *, skipped: bool = False) -> None:
+        """Push this step's gradients; ``skipped``: the header alone, carrying none."""
+        grads = [[p.grad for p in shard] for shard in self._shard_params]
+        payloads = None
+        if not skipped:
+            payloads = [layout.pack(g) for layout, g in zip(self._layouts, grads, strict=True)]
+        replies = self.link.request(
+            Op.PUSH,
+            payloads=payloads,
+            has_grad=[[g is not None and not skipped for g in shard] for shard in grads],
+            skipped=skipped,
+            clock=self.steps_taken,
+            pulled=list(self._versions),
+            samples=samples,
+        )
+        self.server_samples = int(replies[0][0][2])
+
+    # -- reading and writing state ------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any) -> float:
+        """Mean loss over the whole global batch, with the servers' current parameters."""
+        self._pull()
+        was_training = self.model.training
+        self.model.eval()
+        with self.precision.autocast(self._device):
+            outputs = self.model(to_device(inputs, self._device))
+            loss = self.loss_fn(outputs, to_device(targets, self._device))
+        self.model.train(was_training)
+        return float(loss)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The servers' current parameters (and this worker's buffers), canonical, on CPU.
+
+        Reads wait as a step would (the staleness bound): with ``staleness=0`` they include
+        every live worker's pushes up to this worker's last step.
+        """
+        self._pull()
+        return canonical_state(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` here and overwrite the servers' parameters with it."""
+        self.model.load_state_dict(state)
+        self._set_parameters()
+
+    def _set_parameters(self) -> None:
+        payloads = [
+            layout.pack(shard)
+            for layout, shard in zip(self._layouts, self._shard_params, strict=True)
+        ]
+        self.link.request(Op.SET, payloads=payloads)
+
+    def save_checkpoint(self, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
+        """Save the servers' parameters and optimizer state; see ``checkpointing``.
+
+        Under fp16 the loss scale saved is the one of the worker that writes the checkpoint
+        (each worker has its own); every worker resumes from it.
+        """
+        from paratrain.parallel.parameter_server.checkpointing import save
+
+        metadata = dict(metadata or {})
+        if self.precision.scales_loss:
+            metadata["precision"] = self.precision.state_dict()
+        return save(self, Path(path), metadata)
+
+    def load_checkpoint(self, path: str | Path):
+        """Load a checkpoint of any engine into the servers; see ``checkpointing``."""
+        from paratrain.parallel.parameter_server.checkpointing import load
+
+        checkpoint = load(self, Path(path))
+        saved = checkpoint.metadata.get("precision")
+        if saved and saved.get("name") == self.precision.name:
+            self.precision.load_state_dict(saved)
+        return checkpoint
+
+    def layout(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "world_size": self._workers,
+            "servers": self.servers,
+            "staleness": self.staleness,
+        }
+
+    def wait_for_bound(self) -> None:
+        """Return once this worker could start its next step (and hold what it pulled)."""
+        self._pull()
+
+    def claim(self, what: str) -> tuple[bool, str]:
+        """Whether this worker is the first to reach its next ``what`` (a save, a load).
+
+        Workers reach the same call at different times under asynchrony, and none may wait
+        for another; the first one does the work, keyed on the launch store. Returns the
+        decision and the key, under which the claimant can post the outcome.
+        """
+        self._claims[what] = self._claims.get(what, 0) + 1
+        key = f"{self._prefix}/{what}/{self._claims[what]}"
+        return self.store.add(f"{key}/claim", 1) == 1, key
+
+    # -- metrics and the end ------------------------------------------------------------------
+
+    def ps_metrics(self) -> dict[str, Any]:
+        """What the servers measured: pushes and pushes/s per worker, the staleness histogram
+        of applied pushes, pushes that carried no gradient (fp16 overflow) per worker, lost
+        workers. Per-worker figures and the histogram are server
+        0's (every push reaches every server); ``per_server`` holds each server's own.
+        """
+        replies = [payload for _, payload in self.link.request(Op.METRICS, json_reply=True)]
+        lead = replies[0]
+        lost: dict[str, str] = {}
+        for reply in replies:
+            lost.update(reply["lost_workers"])
+        return {
+            "servers": self.servers,
+            "staleness": self.staleness,
+            "workers": self._workers,
+            "pushes": {int(w): n for w, n in lead["pushes"].items()},
+            "pushes_per_s": {int(w): r for w, r in lead["pushes_per_s"].items()},
+            "staleness_histogram": {int(s): n for s, n in lead["staleness_histogram"].items()},
+            "skipped_pushes": {int(w): n for w, n in lead["skipped_pushes"].items()},
+            "lost_workers": {int(w): why for w, why in sorted(lost.items())},
+            "samples_applied": lead["samples_applied"],
+            "per_server": replies,
+        }
+
+    def finish(self, *, wait: bool = False) -> None:
+        """Say that this worker will push no more, so that no other worker waits for it.
+
+        Under a staleness bound, a worker that stops pushing while others go on would
+        hold them back; a loop whose workers stop at different steps (a sample budget)
+        calls this when it stops. With ``wait``, return once every live worker finished
+        too (bounded by ``timeout_s``), so that what is read next (a final checkpoint, a
+        final evaluation) holds every push. Reading still works afterwards.
+        """
+        if not self._finished:
+            self._finished = True
+            self.link.request(Op.DONE, wait=wait)
+
+    def close(self) -> None:
+        """Tell the servers this worker is done; worker 0 then waits for them to exit.
+
+        Optional: a worker process that ends closes its connections, which the servers also
+        take as goodbye.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._finished = True
+        self.link.goodbye()
+        spawn.stop_servers(self._processes)
+
+    @property
+    def server_pids(self) -> list[int]:
+        """Process ids of the servers (known to worker 0, which started them)."""
+        return [process.pid for process in self._processes]

@@ -1,0 +1,159 @@
+"""The messages between workers and parameter servers, over gloo point-to-point.
+
+Why a fixed header before every payload: gloo delivers a point-to-point message only
+into a receive of exactly its size, so the receiver must know each size before posting.
+Every request is a float64 header (operation, the worker's clock, the version it pulled,
+samples, the byte length of a JSON payload, whether to wait for the other workers, whether
+a push carries no gradient, then one has-gradient flag per parameter of that server's
+shard) followed by payloads whose sizes both sides already know (the shard's flat
+tensors, one per dtype) or that the header announces (JSON bytes).
+
+A push that carries no gradient (``skipped``: the worker's fp16 gradients overflowed)
+sends its header only. It still counts as the worker's step, so that no bound or
+synchronous round waits for a gradient that will never come; what a server then does with
+it is in ``server.py``.
+Every reply is a float64 header (status, version, samples applied, JSON length) and the
+same kinds of payload. float64 holds integers exactly up to 2**53, far beyond any count.
+
+Ordering: on one pair of processes, messages with the same tag arrive in the order sent,
+so a header and its payloads never interleave with another request's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from paratrain.parallel.parameter_server.sharding import ParamSpec
+
+REQUEST_TAG, REQUEST_DATA_TAG, REPLY_TAG, REPLY_DATA_TAG = 11, 12, 13, 14
+REQUEST_FIELDS = 8
+SKIPPED_FIELD = 7  # in a request header: 1.0 when a push carries no gradient
+REPLY_FIELDS = 6
+
+
+class Op(IntEnum):
+    """What a worker asks of a server."""
+
+    PULL = 1  # current parameters, once the staleness bound allows
+    PUSH = 2  # gradients of one step
+    SET = 3  # overwrite parameters (the initial ones, or load_state_dict)
+    SAVE = 4  # write this shard of a checkpoint into a staging folder
+    LOAD = 5  # load this shard from a checkpoint folder
+    METRICS = 6  # push counts, rates, the staleness histogram
+    DONE = 7  # this worker will push no more: stop waiting for it
+    BYE = 8  # this worker is done talking (implies DONE)
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1
+
+
+class ShardLayout:
+    """Packs a server's parameters (or their gradients) into one flat tensor per dtype."""
+
+    def __init__(self, specs: Sequence[ParamSpec]) -> None:
+        self.specs = list(specs)
+        self.dtypes: list[torch.dtype] = []
+        for spec in self.specs:
+            if spec.dtype not in self.dtypes:
+                self.dtypes.append(spec.dtype)
+        self._slots: list[tuple[int, int]] = []  # (dtype index, offset)
+        sizes = [0] * len(self.dtypes)
+        for spec in self.specs:
+            kind = self.dtypes.index(spec.dtype)
+            self._slots.append((kind, sizes[kind]))
+            sizes[kind] += spec.numel
+        self.sizes = sizes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.specs)
+
+    def empty(self) -> list[torch.Tensor]:
+        """Receive buffers for one packed message."""
+        return [torch.empty(n, dtype=d) for n, d in zip(self.sizes, self.dtypes, strict=True)]
+
+    def pack(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Flat CPU copies, in spec order; a ``None`` (no gradient) packs as zeros."""
+        flats = [torch.zeros(n, dtype=d) for n, d in zip(self.sizes, self.dtypes, strict=True)]
+        for spec, (kind, offset), tensor in zip(self.specs, self._slots, tensors, strict=True):
+            if tensor is not None:
+                flats[kind][offset : offset + spec.numel].copy_(tensor.detach().reshape(-1))
+        return flats
+
+    def views(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's view into received flat tensors, shaped, in spec order."""
+        return [
+            flats[kind][offset : offset + spec.numel].view(spec.shape)
+            for spec, (kind, offset) in zip(self.specs, self._slots, strict=True)
+        ]
+
+
+def request_header(
+    op: Op,
+    *,
+    flags: int,
+    clock: int = 0,
+    pulled: int = 0,
+    samples: int = 0,
+    json_bytes: int = 0,
+    wait: bool = False,
+    skipped: bool = False,
+    has_grad: Sequence[bool] = (),
+) -> torch.Tensor:
+    """A request header; ``flags`` is the shard's parameter count (its has-grad slots)."""
+    header = torch.zeros(REQUEST_FIELDS + flags, dtype=torch.float64)
+    header[:REQUEST_FIELDS] = torch.tensor(
+        [float(op), clock, pulled, samples, 0.0, json_bytes, float(wait), float(skipped)],
+        dtype=torch.float64,
+    )
+    if has_grad:
+        header[REQUEST_FIELDS:] = torch.tensor([1.0 if g else 0.0 for g in has_grad])
+    return header
+
+
+def reply_header(
+    status: Status = Status.OK, *, version: int = 0, samples: int = 0, json_bytes: int = 0
+) -> torch.Tensor:
+    return torch.tensor(
+        [float(status), version, samples, json_bytes, 0.0, 0.0], dtype=torch.float64
+    )
+
+
+def encode_json(value: Any) -> torch.Tensor:
+    """JSON as a uint8 tensor (the payload of SAVE, LOAD, METRICS and errors)."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def decode_json(tensor: torch.Tensor) -> Any:
+    return json.loads(bytes(tensor.tolist()).decode())
+
+
+def send_all(group, tensors: Sequence[torch.Tensor], dst: int, tag: int, timeout: timedelta | None):
+    """Send ``tensors`` in order and wait until gloo has taken each."""
+    wait_all([group.send([t], dst, tag) for t in tensors], timeout)
+
+
+def post_recv(group, tensors: Sequence[torch.Tensor], src: int, tag: int) -> list:
+    """Post receives for ``tensors`` (in order) without waiting."""
+    return [group.recv([t], src, tag) for t in tensors]
+
+
+def wait_all(works: Sequence, timeout: timedelta | None) -> None:
+    """Wait for each operation, at most ``timeout`` (a worker: the job's timeout).
+
+    ``None`` waits as long as the group's own deadline allows; only servers do that, and
+    their life is bounded by the job instead (see ``server.py``).
+    """
+    for work in works:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)

@@ -1,0 +1,365 @@
+"""A parameter-server process: holds one shard of the parameters and its optimizer state.
+
+Started by the job's worker 0 as ``python -m paratrain.parallel.parameter_server.server``
+(a fresh interpreter: launch's workers are ordinary processes, but a fresh process
+inherits nothing of the worker's threads or communication state). It reads the job's
+description from the launch store, builds its parameters and the user's optimizer over
+them, and joins a gloo group with the workers.
+
+Why one thread per worker: gloo has no "receive from whoever is ready" that survives a
+dead peer, and a receive cannot be polled without a timeout, and a timeout closes the
+connection. A thread blocked on one worker's next request costs nothing, wakes as soon
+as that worker sends, and fails at once (connection closed) when that worker dies, which
+is exactly when the worker must be retired. Updates happen under one lock, so pushes are
+applied one at a time, in arrival order.
+
+The server's receives have no deadline of their own (a worker may legitimately be busy
+evaluating for a long time); the server's life is bounded instead: it exits once every
+worker said goodbye or died, and within a second of the launch store disappearing (the
+launch ended or its process died).
+
+A push that carries no gradient (the worker's fp16 gradients overflowed, so it has none
+worth sending) moves that worker's clock and changes nothing else. Under ``staleness=0``
+a version's mean gradient is taken over the pushes that carried one, not over every
+push: a skipped push means "this share's gradient is unknown", not "it is zero", and
+counting it as zero would shrink that version's step by a factor that depends on which
+worker overflowed (a hidden learning-rate cut, and a bias in Adam's moments). The mean
+over the other shares is the same estimate of the batch gradient from fewer samples.
+A version in which every push was skipped takes no optimizer step but still completes,
+so the round after it starts cleanly; samples of skipped pushes are not counted as
+applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.checkpoint import Checkpoint, CheckpointError, write_shard
+from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
+from paratrain.parallel.parameter_server import jobkeys
+from paratrain.parallel.parameter_server.optimizer_spec import build_optimizer
+from paratrain.parallel.parameter_server.protocol import (
+    REPLY_DATA_TAG,
+    REPLY_TAG,
+    REQUEST_DATA_TAG,
+    REQUEST_FIELDS,
+    REQUEST_TAG,
+    SKIPPED_FIELD,
+    Op,
+    ShardLayout,
+    Status,
+    decode_json,
+    encode_json,
+    post_recv,
+    reply_header,
+    send_all,
+    wait_all,
+)
+from paratrain.parallel.parameter_server.sharding import ParamSpec
+from paratrain.parallel.parameter_server.staleness import StalenessBook
+
+_NO_DEADLINE = timedelta(days=30)  # see the module docstring: the job bounds the server
+_POLL_S = 0.5
+
+
+class ShardServer:
+    """The state of one server and the handling of each request."""
+
+    def __init__(self, spec: dict, index: int, store: dist.Store, prefix: str) -> None:
+        self.index, self.store, self.prefix = index, store, prefix
+        self.workers = spec["workers"]
+        self.layout = ShardLayout([ParamSpec.from_json(p) for p in spec["shards"][index]])
+        self.params = {
+            s.name: nn.Parameter(torch.zeros(s.shape, dtype=s.dtype)) for s in self.layout.specs
+        }
+        self.ordered = [self.params[s.name] for s in self.layout.specs]
+        self.optimizer = build_optimizer(spec["optimizer"], self.params)
+        self.book = StalenessBook(self.workers, spec["staleness"])
+        self.synchronous = spec["staleness"] == 0
+        self.lock = threading.Condition()
+        self.version = 0
+        self.samples_applied = 0
+        self.initialized = False
+        self.group = None
+        self._pending: list[torch.Tensor] | None = None
+        self._pending_has_grad = [False] * len(self.ordered)
+        self._pending_count = 0  # pushes of this round, skipped ones too
+        self._pending_carried = 0  # pushes of this round that carried a gradient
+        self._pending_samples = 0
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def run(self, group) -> None:
+        """Serve every worker until all are done or gone, or the launch store disappears."""
+        self.group = group
+        threads = [
+            threading.Thread(target=self._serve, args=(w,), name=f"ps-worker-{w}", daemon=True)
+            for w in range(self.workers)
+        ]
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            time.sleep(_POLL_S)
+            try:
+                self.store.check([jobkeys.spec_key(self.prefix)])
+            except Exception:  # the launch is over: nobody is left to serve
+                os._exit(0)
+
+    def _serve(self, worker: int) -> None:
+        header = torch.empty(REQUEST_FIELDS + len(self.ordered), dtype=torch.float64)
+        while True:
+            try:
+                wait_all(post_recv(self.group, [header], worker, REQUEST_TAG), None)
+                op = Op(int(header[0]))
+                if op is Op.BYE:
+                    self._retire(worker, lost=None)
+                    return
+                payload = self._receive_payload(worker, op, header)
+            except RuntimeError as error:  # the connection closed: the worker died
+                self._retire(worker, lost=_first_line(error))
+                return
+            try:
+                reply = self._process(worker, op, header, payload)
+            except (CheckpointError, OSError, KeyError, ValueError) as error:
+                if op not in (Op.SAVE, Op.LOAD):
+                    self._fatal(traceback.format_exc())
+                message = f"parameter server {self.index}: {error}"
+                data = encode_json({"error": message})
+                reply = [reply_header(Status.ERROR, json_bytes=data.numel()), data]
+            except Exception:  # a bug: say so where the workers will look, and stop
+                self._fatal(traceback.format_exc())
+            try:
+                send_all(self.group, reply[:1], worker, REPLY_TAG, None)
+                send_all(self.group, reply[1:], worker, REPLY_DATA_TAG, None)
+            except RuntimeError as error:
+                self._retire(worker, lost=_first_line(error))
+                return
+
+    def _receive_payload(self, worker: int, op: Op, header: torch.Tensor) -> list[torch.Tensor]:
+        if op is Op.SET or (op is Op.PUSH and not _skipped(header)):
+            buffers = self.layout.empty()
+        elif op in (Op.SAVE, Op.LOAD):
+            buffers = [torch.empty(int(header[5]), dtype=torch.uint8)]
+        else:
+            return []
+        wait_all(post_recv(self.group, buffers, worker, REQUEST_DATA_TAG), None)
+        return buffers
+
+    def _process(self, worker: int, op: Op, header: torch.Tensor, payload) -> list[torch.Tensor]:
+        with self.lock:
+            self.book.seen(worker)
+            if op is Op.PULL:
+                return self._pull(worker)
+            if op is Op.PUSH:
+                flags = [bool(v) for v in header[REQUEST_FIELDS:].tolist()]
+                grads = None if _skipped(header) else payload
+                self._push(worker, grads, flags, int(header[2]), int(header[3]))
+                return [reply_header(version=self.version, samples=self.samples_applied)]
+            if op is Op.DONE:
+                self.book.retire(worker)
+                if self.synchronous:
+                    self._apply_if_complete()
+                self.lock.notify_all()
+                while int(header[6]) == 1 and self.book.live:  # wait for every live worker
+                    self.lock.wait(timeout=_POLL_S)
+                return [reply_header(version=self.version, samples=self.samples_applied)]
+            if op is Op.SET:
+                with torch.no_grad():
+                    for param, value in zip(self.ordered, self.layout.views(payload), strict=True):
+                        param.copy_(value)
+                self.initialized = True
+                self.lock.notify_all()
+                return [reply_header(version=self.version)]
+            if op is Op.SAVE:
+                return self._json_reply(self._save(decode_json(payload[0])))
+            if op is Op.LOAD:
+                return self._json_reply(self._load(decode_json(payload[0])))
+            if op is Op.METRICS:
+                return self._json_reply(self._metrics())
+        raise ValueError(f"unknown request {op!r}")
+
+    def _json_reply(self, value) -> list[torch.Tensor]:
+        data = encode_json(value)
+        return [reply_header(version=self.version, json_bytes=data.numel()), data]
+
+    # -- the operations (called with the lock held) ----------------------------------------
+
+    def _pull(self, worker: int) -> list[torch.Tensor]:
+        """Current parameters, once the staleness bound lets ``worker`` start a step."""
+        while not (self.initialized and self.book.may_pull(worker)):
+            self.lock.wait(timeout=_POLL_S)
+        flats = self.layout.pack(self.ordered)
+        return [reply_header(version=self.version, samples=self.samples_applied), *flats]
+
+    def _push(
+        self, worker: int, grads, has_grad: Sequence[bool], pulled: int, samples: int
+    ) -> None:
+        """Apply (or, synchronously, add up) one push; ``grads`` None: it carried none."""
+        self.book.record_push(worker, self.version - pulled, skipped=grads is None)
+        if not self.synchronous:
+            if grads is not None:
+                self._apply(self.layout.views(grads), has_grad, samples)
+            return
+        self._pending_count += 1
+        if grads is not None:
+            if self._pending is None:
+                self._pending = [g.clone() for g in grads]
+            else:
+                for total, grad in zip(self._pending, grads, strict=True):
+                    total.add_(grad)
+            self._pending_has_grad = [
+                a or b for a, b in zip(self._pending_has_grad, has_grad, strict=True)
+            ]
+            self._pending_carried += 1
+            self._pending_samples += samples
+        self._apply_if_complete()
+
+    def _apply_if_complete(self) -> None:
+        """Synchronous mode: once every live worker pushed, one step with the mean of the
+        gradients carried (none, and so no step, when every push of the round was skipped)."""
+        if self._pending_count == 0 or not self.book.everyone_pushed(self.version + 1):
+            return
+        if self._pending is None:
+            self._advance(0)
+        else:
+            for total in self._pending:
+                total.div_(self._pending_carried)
+            grads = self.layout.views(self._pending)
+            self._apply(grads, self._pending_has_grad, self._pending_samples)
+        self._pending, self._pending_count, self._pending_samples = None, 0, 0
+        self._pending_carried = 0
+        self._pending_has_grad = [False] * len(self.ordered)
+
+    def _apply(self, grads, has_grad: Sequence[bool], samples: int) -> None:
+        for param, grad, flag in zip(self.ordered, grads, has_grad, strict=True):
+            param.grad = grad if flag else None
+        self.optimizer.step()
+        for param in self.ordered:
+            param.grad = None
+        self._advance(samples)
+
+    def _advance(self, samples: int) -> None:
+        """One version more; ``samples`` more whose gradients were applied."""
+        self.version += 1
+        self.samples_applied += samples
+        self.lock.notify_all()
+
+    def _retire(self, worker: int, *, lost: str | None) -> None:
+        with self.lock:
+            self.book.retire(worker, lost=lost)
+            if self.synchronous:
+                self._apply_if_complete()
+            self.lock.notify_all()
+
+    def _save(self, request: dict) -> dict:
+        """Write this shard's parameters and optimizer state into the staging folder."""
+        from pathlib import Path
+
+        staging, rank = Path(request["staging"]), self.index
+        names = {id(p): name for name, p in self.params.items()}
+        files = {f"model-{rank}.safetensors": write_shard(staging, "model", rank, self.params)}
+        tensors, groups = named_optimizer_state(self.optimizer, names)
+        files[f"optim-{rank}.safetensors"] = write_shard(staging, "optim", rank, tensors)
+        return {"files": files, "groups": groups}
+
+    def _load(self, request: dict) -> dict:
+        """Take this shard's parameters and optimizer state, by name, from a checkpoint."""
+        checkpoint = Checkpoint(request["path"])
+        saved = set(checkpoint.names("model"))
+        missing = sorted(set(self.params) - saved)
+        if missing:
+            raise CheckpointError(
+                f"{checkpoint.directory} has no {missing[0]!r} ({len(missing)} parameter(s) "
+                "missing): it was saved from a different model."
+            )
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(checkpoint.tensor("model", name))
+        meta = checkpoint.manifest.get("optimizer")
+        if meta:
+            state_keys: dict[str, list[str]] = {}
+            for key in checkpoint.names("optim"):
+                name, _, state_key = key.rpartition("/")
+                state_keys.setdefault(name, []).append(state_key)
+            load_named_optimizer_state(
+                self.optimizer,
+                {id(p): name for name, p in self.params.items()},
+                meta["param_groups"],
+                state_keys,
+                lambda key: checkpoint.tensor("optim", key),
+            )
+        self.initialized = True
+        self.lock.notify_all()
+        return {"loaded": len(self.params)}
+
+    def _metrics(self) -> dict:
+        return {
+            "server": self.index,
+            "version": self.version,
+            "samples_applied": self.samples_applied,
+            "parameter_bytes": self.layout.nbytes,
+            **self.book.summary(),
+        }
+
+    def _fatal(self, details: str) -> None:
+        """Leave the reason on the store for the workers, then stop this process."""
+        message = f"parameter server {self.index} failed:\n{details}"
+        print(message, file=sys.stderr, flush=True)
+        try:
+            self.store.set(jobkeys.error_key(self.prefix, self.index), message)
+        finally:
+            os._exit(1)
+
+
+def _skipped(header: torch.Tensor) -> bool:
+    """Whether a request header says its push carries no gradient."""
+    return bool(header[SKIPPED_FIELD] == 1.0)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one paratrain parameter server")
+    parser.add_argument("--store", required=True, help="host:port of the launch store")
+    parser.add_argument("--prefix", required=True, help="this engine's key prefix")
+    parser.add_argument("--index", type=int, required=True, help="this server's index")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    import json
+
+    store = jobkeys.connect(args.store)
+    store.wait([jobkeys.spec_key(args.prefix)], timedelta(seconds=60))
+    spec = json.loads(store.get(jobkeys.spec_key(args.prefix)))
+    try:
+        server = ShardServer(spec, args.index, store, args.prefix)
+    except Exception:
+        store.set(jobkeys.error_key(args.prefix, args.index), traceback.format_exc())
+        return 1
+    store.set(jobkeys.ready_key(args.prefix, args.index), str(os.getpid()))
+    size = spec["workers"] + spec["servers"]
+    group = dist.ProcessGroupGloo(
+        dist.PrefixStore(jobkeys.group_prefix(args.prefix), store),
+        spec["workers"] + args.index,
+        size,
+        _NO_DEADLINE,
+    )
+    server.run(group)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

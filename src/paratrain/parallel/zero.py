@@ -1,0 +1,440 @@
+"""ZeRO stages 1-3: data parallel with the model state sharded over the replicas.
+
+Same contract as ``dp``: every rank receives the global batch, takes its contiguous share,
+runs ``gradient_accumulation`` micro-batches and reduces gradients once per optimizer
+step, so the result is the single-device engine's, to rounding. What differs is what a
+worker keeps (fp32 Adam, P parameters, N workers, bytes per worker):
+
+============  ==========  ==========  =========  ====================================
+strategy      parameters  gradients   optimizer  communication per step (ring, /rank)
+============  ==========  ==========  =========  ====================================
+dp            4P          4P          8P         2(N-1)/N x 4P (all-reduce)
+zero1         4P          4P          8P/N       reduce-scatter + all-gather = same
+zero2         4P          4P/N        8P/N       reduce-scatter + all-gather = same
+zero3         4P/N        4P/N        8P/N       1.5x (two all-gathers per micro-batch)
+============  ==========  ==========  =========  ====================================
+
+How: the trainable parameters are grouped into units (``zero_shards.FlatUnit``), each
+flattened into one padded buffer of which every rank owns an equal slice. The user's
+optimizer factory is called with those slices (one ``nn.Parameter`` per unit), so each
+rank updates only its slice; Adam and SGD are elementwise, so updating slices equals
+updating the whole. After backward each unit's gradient is reduce-scattered
+(``zero_grads``); stages 1-2 then all-gather the updated slices back into the full
+parameters; stage 3 never keeps full parameters, gathering each unit just before its
+forward and backward (``zero_gather``).
+
+Units: stages 1-2 pack parameters, in reverse registration order (roughly the order
+backward produces gradients), into buckets of ``bucket_mb`` (as DDP does), so backward
+overlaps the reduce-scatter of finished buckets with the rest. Stage 3's units are the
+model's top-level children (the layers of an ``nn.Sequential``) plus the parameters
+registered on the model itself.
+
+The optimizer factory receives flat slices, not the model's parameters, so per-parameter
+groups (e.g. no weight decay on biases) cannot be expressed: one group applies to all,
+and an optimizer not known to be elementwise is refused (``zero_optim``) unless the user
+passes ``elementwise_optimizer=True``.
+Frozen parameters (``requires_grad=False``) and buffers stay replicated as in ``dp``.
+
+Mixed precision (``precision=``) works as in ``dp``: forward under autocast, fp32
+parameters, gradients and optimizer state; under fp16 each rank checks its own gradient
+slices for inf/NaN and the flag is summed over the replicas (one tiny all-reduce), so all
+skip or all step. Under autocast, stage 3 also holds the low-precision copies autocast
+caches of each weight until the forward ends (2 bytes per parameter under bf16/fp16).
+The memory ledger (``memory_per_device``) books the state ``model_state_bytes`` reports
+and the activations autograd saves, leaving out stage 3's gathered parameters.
+
+``recompute=True`` checkpoints the layer list by segment as in ``dp`` (``recompute``):
+only each segment's input is kept for backward. Stages 1-2 need nothing more; stage 3
+runs backward inside ``ParameterGatherer.backward_pass`` so that a segment's recompute
+does not free the unit backward is about to use (see ``zero_gather``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from paratrain.parallel.batching import (
+    batch_size,
+    check_divisible,
+    split_micro,
+    take_share,
+    to_device,
+)
+from paratrain.parallel.data_parallel import require_process_group
+from paratrain.parallel.grad_buckets import MiB, plan_buckets
+from paratrain.parallel.precision import Precision
+from paratrain.parallel.recompute import recomputing_forward
+from paratrain.parallel.single import canonical_state
+from paratrain.parallel.strategy import (
+    Engine,
+    LossFn,
+    OptimizerFactory,
+    ShardedCheckpointState,
+    StepStats,
+    register,
+)
+from paratrain.parallel.zero_checkpoint import gather_checkpoint_state, load_checkpoint_state
+from paratrain.parallel.zero_gather import ParameterGatherer, unit_modules
+from paratrain.parallel.zero_grads import ShardedGradients
+from paratrain.parallel.zero_optim import check_sharded_optimizer
+from paratrain.parallel.zero_shards import FlatUnit, trainable
+from paratrain.runtime import comm
+from paratrain.runtime.memory import model_state_bytes
+
+
+class ZeroEngine(ShardedCheckpointState, Engine):
+    """What the three stages share: flat units, sharded optimizer, reduce-scatter."""
+
+    stage: int
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
+        group: ProcessGroup | None = None,
+        recompute: bool = False,
+        elementwise_optimizer: bool = False,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
+        )
+        self.recompute = recompute
+        self._check_layout(model)
+        # Built before any collective: it refuses models recompute cannot segment.
+        self._segments = recomputing_forward(model) if recompute else None
+        require_process_group(self.name)
+        self.group = group
+        self._replicas = comm.world_size(group)
+        self._replica_rank = comm.rank(group)
+        self.model = model.to(self._device)
+        comm.broadcast_tensors(
+            [*self.model.parameters(), *self.model.buffers()], src=0, group=group
+        )
+        self.units, self.gatherer = self._build_units()
+        self.grads = ShardedGradients(
+            self.units,
+            order=self._reduce_order(),
+            group=group,
+            keep_full=self.stage == 1,
+            on_unit_done=self.gatherer.release if self.gatherer is not None else None,
+        )
+        shards = [unit.shard for unit in self.units]
+        self.optimizer = optimizer(shards)
+        check_sharded_optimizer(
+            self.optimizer,
+            shards,
+            strategy=self.name,
+            elementwise_optimizer=elementwise_optimizer,
+        )
+        for unit in self.units:  # stage 3: a gathered unit's storage is a parameter, not saved data
+            unit.on_gathered = lambda full: self.memory.activations.exclude(full)
+            unit.on_releasing = lambda full: self.memory.activations.include(full)
+        self.memory.watch(
+            [*self.model.parameters(), *(unit.shard for unit in self.units)],
+            model_state=self.model_state_bytes,
+        )
+
+    def _check_layout(self, model: nn.Module) -> None:
+        """Refuse a model the stage cannot shard, before any collective."""
+
+    def _model_forward(self, inputs: Any) -> Any:
+        """The model's forward, by recomputed segments when ``recompute`` is on."""
+        if self._segments is None:
+            return self.model(inputs)
+        if self.gatherer is not None:  # the segments bypass model(...) and its root pre-hook
+            self.gatherer.gather_root()
+        return self._segments(inputs)
+
+    def _backward_pass(self):
+        """Stage 3 keeps units gathered through their recompute (see ``zero_gather``)."""
+        return self.gatherer.backward_pass() if self.gatherer is not None else nullcontext()
+
+    def _build_units(self) -> tuple[list[FlatUnit], ParameterGatherer | None]:
+        raise NotImplementedError
+
+    def _reduce_order(self) -> list[int]:
+        return list(range(len(self.units)))
+
+    def _unit(self, label: str, named: list[tuple[str, nn.Parameter]]) -> FlatUnit:
+        return FlatUnit(
+            label,
+            named,
+            rank=self._replica_rank,
+            world=self._replicas,
+            own_shard_storage=self.stage == 3,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self._replicas
+
+    def _share(self, batch: Any) -> Any:
+        """This replica's contiguous slice of the global batch, on its device."""
+        return to_device(take_share(batch, self._replica_rank, self._replicas), self._device)
+
+    def train_step(self, inputs: Any, targets: Any) -> StepStats:
+        samples = batch_size(inputs)
+        replicas, k = self._replicas, self.gradient_accumulation
+        check_divisible(samples, replicas=replicas, micro_batches=k)
+        bytes_before = comm.bytes_sent()
+        share_in, share_tgt = self._share(inputs), self._share(targets)
+        self.model.train()
+        self.grads.zero_grad()
+        self.memory.begin_step(self.steps_taken)
+        scale = 1.0 / (k * replicas)
+        backward_scale = self.precision.loss_factor(scale)
+        local_sum = torch.zeros((), device=self._device)
+        micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
+        for index, (micro_in, micro_tgt) in enumerate(micro):
+            self.grads.begin_backward(reduce=index == k - 1)
+            with self.memory.forward(index), self.precision.autocast(self._device):
+                loss = self.loss_fn(self._model_forward(micro_in), micro_tgt)
+            local_sum += loss.detach()
+            with self._backward_pass():
+                (loss if backward_scale == 1.0 else loss * backward_scale).backward()
+            self.memory.release(index)
+            if self.gatherer is not None:
+                self.gatherer.release_all()
+        mean_loss = self.grads.finish(local_sum * scale)
+        # Each rank checks only its slices, so under fp16 the overflow flag is summed over
+        # the replicas (synchronized=False): all skip together or all step.
+        shard_grads = [unit.shard.grad for unit in self.units]
+        if self.precision.unscale_and_check(shard_grads, group=self.group, device=self._device):
+            self.optimizer.step()
+            self._after_step()
+        self.steps_taken += 1
+        self.memory.end_step()
+        return StepStats(
+            loss=mean_loss,
+            step=self.steps_taken,
+            samples=samples,
+            comm_bytes=comm.bytes_sent() - bytes_before,
+            skipped_steps=self.precision.skipped_steps,
+            loss_scale=self.precision.scale,
+        )
+
+    def _after_step(self) -> None:
+        """Stages 1-2: bring every rank's updated slice back into the full parameters."""
+        handles = []
+        for unit in self.units:
+            mine = unit.shard.detach().clone()  # the input must not alias the output
+            handles.append(
+                (comm.all_gather_flat(unit.full, mine, group=self.group, async_op=True), mine)
+            )
+        for handle, _mine in handles:
+            comm.wait(handle, "parameter all_gather")
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any) -> float:
+        replicas = self._replicas
+        check_divisible(batch_size(inputs), replicas=replicas, micro_batches=1)
+        was_training = self.model.training
+        self.model.eval()
+        share_in, share_tgt = self._share(inputs), self._share(targets)
+        with self.precision.autocast(self._device):
+            loss = self.loss_fn(self.model(share_in), share_tgt)
+        loss = loss.detach().float().reshape(1) / replicas
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        self.model.train(was_training)
+        comm.all_reduce_sum(loss, group=self.group)
+        return float(loss[0])
+
+    # -- state --------------------------------------------------------------------------
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """What this worker holds, counted from the live tensors (each storage once).
+
+        Stages 1-2: the full parameters (the optimizer's slices are views into them);
+        stage 1 the full gradient buffers, stage 2 only the reduced slices. Stage 3,
+        between steps, holds only its slices: every unit's full buffer is freed (during a
+        step one unit at a time is materialised, plus the root). Call it after a
+        ``train_step``: before the first one there are no gradients or optimizer state.
+        """
+        tensors = [*self.model.parameters(), *(unit.shard for unit in self.units)]
+        return model_state_bytes(tensors, self.optimizer)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.model_state_bytes()["parameters"]
+
+    def writes_shard(self) -> bool:
+        return comm.rank() == 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return canonical_state(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.model.state_dict())
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise KeyError(
+                f"the state does not match the model (missing {missing[:3]}, unexpected "
+                f"{extra[:3]}); pass a full canonical state such as state_dict() returns."
+            )
+        self._load_units(state.__getitem__)
+
+    def _load_units(self, fetch) -> None:
+        """Set every unit's slice, and the replicated tensors, from canonical tensors."""
+        in_units = set()
+        for unit in self.units:
+            unit.load_full(fetch)
+            in_units.update(unit.names)
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                if name not in in_units:
+                    tensor.copy_(fetch(name))
+
+    def gather_checkpoint_state(self):
+        return gather_checkpoint_state(self)
+
+    def load_checkpoint_state(self, checkpoint) -> None:
+        load_checkpoint_state(self, checkpoint)
+
+
+class _ReplicatedParameters(ZeroEngine):
+    """Stages 1-2: the full parameters stay on every rank; units are ``bucket_mb`` buckets."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
+        group: ProcessGroup | None = None,
+        bucket_mb: float = 25.0,
+        recompute: bool = False,
+        elementwise_optimizer: bool = False,
+    ) -> None:
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}.")
+        self._bucket_bytes = int(bucket_mb * MiB)
+        super().__init__(
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
+            group=group,
+            recompute=recompute,
+            elementwise_optimizer=elementwise_optimizer,
+        )
+
+    def _build_units(self) -> tuple[list[FlatUnit], None]:
+        ordered = list(reversed(trainable(list(self.model.named_parameters()))))
+        units = []
+        for kind in dict.fromkeys((p.dtype, p.device) for _, p in ordered):
+            same = [(n, p) for n, p in ordered if (p.dtype, p.device) == kind]
+            plan = plan_buckets(
+                [p.numel() * p.element_size() for _, p in same],
+                bucket_bytes=self._bucket_bytes,
+                first_bucket_bytes=self._bucket_bytes,
+            )
+            for indices in plan:
+                units.append(self._unit(f"bucket{len(units)}", [same[i] for i in indices]))
+        return units, None
+
+
+@register("zero1")
+class Zero1Engine(_ReplicatedParameters):
+    """ZeRO stage 1: optimizer state sharded; parameters and gradients whole on every rank.
+
+    Options: ``bucket_mb`` (size of the flat units reduce-scattered during backward,
+    default 25), ``group`` (the replicas' process group; the whole job by default),
+    ``recompute`` (keep only each layer segment's input for backward and recompute the
+    rest, as in ``dp``), ``elementwise_optimizer`` (the user vouches that an optimizer
+    class paratrain does not know updates each element alone; see ``zero_optim``).
+    """
+
+    stage = 1
+
+
+@register("zero2")
+class Zero2Engine(_ReplicatedParameters):
+    """ZeRO stage 2: optimizer state and gradients sharded; parameters whole on every rank.
+
+    Options as ``zero1``.
+    """
+
+    stage = 2
+
+
+@register("zero3")
+class Zero3Engine(ZeroEngine):
+    """ZeRO stage 3: parameters, gradients and optimizer state all sharded.
+
+    Options: ``group``, ``recompute``, ``elementwise_optimizer`` (as ``zero1``). Units
+    are the model's top-level children (see ``zero_gather``); a model that is one big
+    child gains nothing, so write it as a layer list (``recompute`` requires one).
+    """
+
+    stage = 3
+
+    def _check_layout(self, model: nn.Module) -> None:
+        unit_modules(model)
+        if self.recompute and not isinstance(model, nn.Sequential):
+            raise ValueError(
+                f"zero3 with recompute=True needs the model itself to be an nn.Sequential "
+                f"(its layers are both the sharded units and the recomputed segments), not "
+                f"{type(model).__name__}; pass the layer list as the model, or use "
+                "recompute=False or strategy='zero2'."
+            )
+
+    def _build_units(self) -> tuple[list[FlatUnit], ParameterGatherer]:
+        modules = unit_modules(self.model)
+        named = dict(self.model.named_parameters())
+        by_id = {id(p): n for n, p in named.items()}
+        units = []
+        for label, module in modules:
+            params = [(by_id[id(p)], p) for p in module.parameters() if p.requires_grad]
+            units.append(self._unit(label, params))
+        in_units = {id(p) for unit in units for p in unit.params}
+        root_params = [(n, p) for n, p in trainable(list(named.items())) if id(p) not in in_units]
+        root = self._unit("<root>", root_params) if root_params else None
+        gatherer = ParameterGatherer(
+            self.model, [m for _, m in modules], units, root, group=self.group
+        )
+        all_units = [*units, *([root] if root is not None else [])]
+        for unit in all_units:
+            unit.release()
+        return all_units, gatherer
+
+    def _reduce_order(self) -> list[int]:
+        """Backward finishes the last layer first; the root (last in the list) goes last."""
+        layers = len(self.units) - (1 if self.gatherer.root is not None else 0)
+        return [*reversed(range(layers)), *range(layers, len(self.units))]
+
+    def _after_step(self) -> None:
+        """Nothing to gather: the next forward gathers each unit when it needs it."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathers one unit at a time (every rank takes part) into full CPU tensors."""
+        gathered: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            unit.gather(self.group)
+            for name, param in zip(unit.names, unit.params, strict=True):
+                gathered[name] = param.detach().to("cpu", copy=True)
+            unit.release()
+        return {
+            name: gathered[name] if name in gathered else value.detach().to("cpu", copy=True)
+            for name, value in self.model.state_dict().items()
+        }

@@ -1,0 +1,76 @@
+"""``paratrain train --strategy ps`` end to end: summary, metrics, checkpoint, a lost worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paratrain.checkpoint import load_model_state, read_manifest
+from paratrain.models import build_model
+from paratrain.report import read_metrics
+from tests.test_cli_train import SHARED_DATA, run_cli
+
+MLP = ["--model", "mlp", "--dataset", "synthetic", "--hidden", "32", "--depth", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data (tinyshakespeare) is absent")
+def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
+    run_dir = tmp_path / "gpt"
+    code, out, err = run_cli(
+        capsys,
+        *("--strategy", "ps", "--servers", "1", "--staleness", "2", "--devices", "4"),
+        *("--data-dir", str(SHARED_DATA), "--n-layer", "1", "--n-embd", "32"),
+        *("--block-size", "32", "--steps", "12", "--global-batch", "16"),
+        *("--eval-every", "6", "--log-every", "3", "--sample-chars", "20"),
+        *("--straggler", "3:2", "--run-dir", str(run_dir)),
+    )
+    assert code == 0, err
+    assert "strategy ps, 4 worker(s), 12 steps, global batch 16" in out
+    assert "servers           1, staleness bound 2" in out
+    assert "pushes/s          worker 0:" in out and "worker 3:" in out
+    assert "push staleness" in out and "sample:" in out
+    summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+    assert sum(summary["ps"]["pushes"].values()) == 4 * 12
+    assert sum(summary["ps"]["staleness_histogram"].values()) == 4 * 12
+    assert read_manifest(run_dir / "final")["layout"]["strategy"] == "ps"
+
+
+@pytest.mark.slow
+def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:4")
+    run_dir = tmp_path / "mlp"
+    code, out, err = run_cli(
+        capsys,
+        *("--strategy", "ps", "--staleness", "none", "--servers", "2", "--devices", "3"),
+        *MLP,
+        *("--steps", "10", "--global-batch", "24", "--eval-every", "5"),
+        *("--checkpoint-every", "5", "--run-dir", str(run_dir)),
+    )
+    assert code == 0, err
+    assert "staleness bound none (asynchronous)" in out
+    assert "lost worker       1: worker process 1 was killed by signal SIGKILL" in out
+    assert "final eval loss" in out
+    state = load_model_state(run_dir / "final")
+    build_model("mlp", in_features=784, hidden=32, depth=1, classes=10).load_state_dict(state)
+    assert Path(run_dir / "checkpoints" / "step-00000005").exists()
+    summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+    assert summary["ps"]["pushes"]["1"] == 3 and summary["ps"]["pushes"]["0"] == 10
+    assert list(summary["ps"]["lost_workers"]) == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "ps", "--devices", "2", "--straggler", "2:3"], "names worker 2"),
+        (["--strategy", "dp", "--devices", "2", "--straggler", "1:3"], "is a ps option"),
+        (["--strategy", "ps", "--staleness", "-1"], "staleness must be at least 0"),
+        (["--strategy", "ps", "--straggler", "1"], "straggler must be RANK:SLOWDOWN"),
+        (["--strategy", "ps", "--devices", "3", "--global-batch", "32"], "3 replica(s)"),
+    ],
+)
+def test_bad_ps_settings_are_refused_before_any_worker_starts(tmp_path, capsys, args, message):
+    code, _, err = run_cli(capsys, *MLP, "--run-dir", str(tmp_path / "r"), *args)
+    assert code == 2
+    assert message in err

@@ -1,0 +1,55 @@
+"""ps with staleness k and fully asynchronous, with a straggler: the bound, the metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+import paratrain
+from tests import ps_workers
+
+WORKERS, STRAGGLER, BOUND = 3, 2, 2
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    straggler = {"rank": STRAGGLER, "slowdown": 4.0}
+    settings = [
+        {"staleness": BOUND, "straggler": straggler},
+        {"staleness": None, "straggler": straggler},
+    ]
+    results = paratrain.launch(
+        ps_workers.straggler_worker, devices=WORKERS, args=(settings, 24 * 30, 24)
+    )
+    return {"bounded": [r[0] for r in results], "async": [r[1] for r in results]}
+
+
+@pytest.mark.slow
+def test_no_worker_runs_more_than_the_bound_ahead(runs):
+    pushes = runs["bounded"][0]["metrics"]["pushes"]
+    assert sorted(pushes) == list(range(WORKERS))
+    # When the budget is reached the fastest may have started at most BOUND steps ahead.
+    assert max(pushes.values()) - min(pushes.values()) <= BOUND + 1, pushes
+    assert [r["steps"] for r in runs["bounded"]] == [pushes[w] for w in range(WORKERS)]
+
+
+@pytest.mark.slow
+def test_staleness_of_applied_pushes_is_bounded_and_recorded(runs):
+    histogram = runs["bounded"][0]["metrics"]["staleness_histogram"]
+    applied = sum(histogram.values())
+    assert applied == sum(runs["bounded"][0]["metrics"]["pushes"].values())
+    # Between a worker's pull and its push, each other worker pushes at most 2k + 1 times.
+    assert max(histogram) <= (WORKERS - 1) * (2 * BOUND + 1), histogram
+    assert max(histogram) >= 1, "three concurrent workers never pushed a stale gradient"
+
+
+@pytest.mark.slow
+def test_asynchronous_workers_do_not_wait_for_the_straggler(runs):
+    metrics = runs["async"][0]["metrics"]
+    pushes = metrics["pushes"]
+    fastest = max(w for w in pushes if w != STRAGGLER)
+    # A 4x slower worker that nobody waits for pushes fewer times than the others.
+    assert pushes[STRAGGLER] < pushes[fastest], pushes
+    assert set(metrics["pushes_per_s"]) == set(range(WORKERS))
+    assert all(rate > 0 for rate in metrics["pushes_per_s"].values())
+    assert metrics["lost_workers"] == {}
+    assert metrics["samples_applied"] >= 24 * 30

@@ -1,0 +1,33 @@
+"""ps with staleness=0 equals the single-device engine (and so dp): same seed, same batches."""
+
+from __future__ import annotations
+
+import pytest
+
+import paratrain
+from tests import ps_workers, workers
+from tests.test_parity_dp import TOLERANCE, relative_error
+
+CASES = {
+    1: [(("mlp", "adam", 1), {"staleness": 0})],
+    2: [(("mlp", "sgd", 1), {"staleness": 0}), (("gpt", "adam", 2), {"servers": 2})],
+    4: [(("gpt", "sgd", 1), {"staleness": 0, "servers": 3})],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", sorted(CASES))
+def test_synchronous_ps_matches_single_device(devices):
+    cases = CASES[devices]
+    results = paratrain.launch(ps_workers.ps_parity_worker, devices=devices, args=(cases,))
+    for index, (case, options) in enumerate(cases):
+        reference, reference_losses = workers.train_with("single", *case)
+        for rank, rank_results in enumerate(results):
+            state, _ = rank_results[index]
+            error = relative_error(state, reference)
+            assert error <= TOLERANCE, f"{case} {options} worker {rank}: relative error {error:.2e}"
+        # Each worker reports its share's loss; equal shares average to the global batch's.
+        per_step = [sum(r[index][1][step] for r in results) / devices for step in range(10)]
+        assert per_step == pytest.approx(reference_losses, rel=1e-5), case
+    initial = workers.parity_model(cases[0][0][0]).state_dict()
+    assert relative_error(results[0][0][0], initial) > 1e-2, "the parameters never changed"

@@ -1,0 +1,134 @@
+"""The ps engine's pure parts (sharding, packing, staleness bookkeeping, the optimizer's
+description) and its refusals; no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.parallel.parameter_server.engine import check_straggler
+from paratrain.parallel.parameter_server.optimizer_spec import build_optimizer, describe_optimizer
+from paratrain.parallel.parameter_server.protocol import ShardLayout
+from paratrain.parallel.parameter_server.sharding import ParamSpec, assign_shards
+from paratrain.parallel.parameter_server.staleness import StalenessBook, check_bound
+from tests import workers
+
+
+def specs(*sizes: int) -> list[ParamSpec]:
+    return [ParamSpec(f"p{i}", (n,), torch.float32) for i, n in enumerate(sizes)]
+
+
+def test_shards_are_balanced_by_bytes_and_keep_model_order():
+    shards = assign_shards(specs(100, 10, 60, 50, 5), 2)
+    assert [[p.name for p in shard] for shard in shards] == [["p0", "p1", "p4"], ["p2", "p3"]]
+    loads = [sum(p.nbytes for p in shard) for shard in shards]
+    assert loads == [115 * 4, 110 * 4]
+    assert assign_shards(specs(100, 10, 60, 50, 5), 2) == shards  # deterministic
+
+
+def test_more_servers_than_parameters_is_refused():
+    with pytest.raises(ValueError, match="use at most 2 server"):
+        assign_shards(specs(3, 4), 3)
+    with pytest.raises(ValueError, match="servers must be a positive integer"):
+        assign_shards(specs(3, 4), 0)
+
+
+def test_layout_packs_mixed_dtypes_and_missing_gradients():
+    layout = ShardLayout(
+        [
+            ParamSpec("a", (2, 3), torch.float32),
+            ParamSpec("b", (4,), torch.float64),
+            ParamSpec("c", (5,), torch.float32),
+        ]
+    )
+    a, b = torch.randn(2, 3), torch.randn(4, dtype=torch.float64)
+    flats = layout.pack([a, b, None])
+    assert [f.dtype for f in flats] == [torch.float32, torch.float64]
+    views = layout.views(flats)
+    assert torch.equal(views[0], a) and torch.equal(views[1], b)
+    assert torch.equal(views[2], torch.zeros(5))
+
+
+def test_bound_holds_back_only_the_worker_ahead_and_a_lost_worker_stops_counting():
+    book = StalenessBook(3, bound=1)
+    for worker in (0, 0, 1):
+        book.record_push(worker, staleness=0)
+    assert not book.may_pull(0) and book.may_pull(1) and book.may_pull(2)
+    book.retire(2, lost="killed")
+    assert book.may_pull(0)
+    book.retire(1)  # finished
+    book.retire(1, lost="died later")  # a finished worker that dies was not lost
+    assert book.lost == {2: "killed"}
+    assert book.summary()["staleness_histogram"] == {"0": 3}
+
+
+def test_asynchronous_never_waits_and_bad_bounds_are_refused():
+    book = StalenessBook(2, bound=None)
+    for _ in range(5):
+        book.record_push(0, staleness=2)
+    assert book.may_pull(0)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="staleness must be"):
+            check_bound(bad)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_rebuilt_optimizer_takes_the_same_step(name):
+    factory = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95)),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    }[name]
+    model = workers.parity_model("mlp")
+    description = describe_optimizer(factory, model)
+    copy = {n: torch.nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+    rebuilt = build_optimizer(description, copy)
+    original = factory(model.parameters())
+    assert type(rebuilt) is type(original)
+    for _ in range(3):
+        for (_, p), q in zip(model.named_parameters(), copy.values(), strict=True):
+            p.grad = torch.ones_like(p)
+            q.grad = torch.ones_like(q)
+        original.step()
+        rebuilt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, copy[n]), n
+
+
+def test_optimizers_that_cannot_travel_are_refused():
+    model = workers.parity_model("mlp")
+    with pytest.raises(ValueError, match="plain numbers"):
+        describe_optimizer(lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)), model)
+
+    class Local(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="importable module"):
+        describe_optimizer(lambda p: Local(p, lr=0.1), model)
+
+
+def test_straggler_settings_are_checked():
+    assert check_straggler({"rank": 1, "slowdown": 3}, 2) == {"rank": 1, "slowdown": 3.0}
+    with pytest.raises(ValueError, match="worker rank in 0..1"):
+        check_straggler({"rank": 2, "slowdown": 3}, 2)
+    with pytest.raises(ValueError, match="slowdown must be a number >= 1"):
+        check_straggler({"rank": 0, "slowdown": 0.5}, 2)
+    with pytest.raises(ValueError, match="must be a dict"):
+        check_straggler({"rank": 0}, 2)
+
+
+def test_ps_outside_a_launch_says_what_to_do():
+    with pytest.raises(RuntimeError, match="paratrain.launch"):
+        workers.parity_engine("ps", "mlp", "sgd")
+
+
+def test_ps_options_are_listed_when_a_wrong_one_is_given():
+    with pytest.raises(ValueError, match="staleness"):
+        paratrain.setup(
+            workers.parity_model("mlp"),
+            optimizer=workers.parity_optimizer("sgd"),
+            loss_fn=torch.nn.functional.cross_entropy,
+            strategy="ps",
+            stalenes=2,
+        )
