@@ -34,6 +34,10 @@ lint: install
 bench: install
 	$(PYTHON) benchmarks/bench_dp.py
 	$(PYTHON) benchmarks/bench_pipeline.py
+	$(PYTHON) benchmarks/bench_zero.py
+	$(PYTHON) benchmarks/bench_ps.py
+	$(PYTHON) benchmarks/bench_memory.py
+	$(PYTHON) benchmarks/largest_gpt.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache build src/*.egg-info

@@ -8,6 +8,10 @@ between the last width that trained and the first that did not. A probe is a rea
 of N workers that builds the model, wraps it with ``paratrain.setup(strategy=...)`` and
 trains ``--steps`` Adam steps (the first step allocates the optimizer state, so at least
 two are run); a probe that fails for any reason other than the budget stops the script.
+Probes that cannot fit are refused before any worker starts, as ``paratrain train``
+refuses them: when the ZeRO formula for the model state alone exceeds the budget, or
+when building the whole model on every worker would not fit in this machine's memory
+(``refuse_before_launch``).
 
 Depth, context and batch stay fixed, so parameters grow with width squared and each
 strategy's answer is one ``n_embd``. Reported per strategy: the largest width, its
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,13 +35,15 @@ import torch
 import paratrain
 from paratrain.models import build_model, loss_for
 from paratrain.models.gpt import gpt_parameter_count
-from paratrain.parallel.fit_advice import parameter_share
+from paratrain.parallel.fit_advice import model_state_per_worker
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.units import parse_size
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pipeline")
 WIDTH_STEP = 64
 """Widths are multiples of this (one attention head per 64 channels)."""
+HOST_RAM_SHARE = 0.6
+"""At most this share of the machine's available memory may go to building the models."""
 PRECISION = 0.05
 """Bisection stops when the last failing width is within this fraction of the best."""
 OUT_OF_MEMORY = "DeviceOutOfMemory"
@@ -74,21 +81,48 @@ def probe_worker(strategy: str, config: dict, budget: str, steps: int, batch: in
     return {"loss": loss, "ledger": engine.memory.ledger.record()}
 
 
+def refuse_before_launch(strategy: str, config: dict, args: argparse.Namespace) -> str | None:
+    """Why a probe cannot fit, decided without starting workers, or None.
+
+    Two checks, both sound (they never refuse a model that would train): the ZeRO formula
+    for the model state a worker holds (``fit_advice.model_state_per_worker``; every
+    engine holds at least that, padding and activations come on top) against the budget,
+    and this machine's real memory: every worker builds the whole model before ``setup``
+    shards or splits it, so ``workers`` full fp32 copies must fit in the RAM available.
+    """
+    parameters = gpt_parameter_count(**config)
+    budget = parse_size(args.memory_per_device)
+    least = model_state_per_worker(strategy, parameters, args.workers)
+    if least > budget:
+        return f"its model state alone needs {least / 2**20:,.0f} MiB per worker"
+    building = args.workers * 4 * parameters
+    available = host_available_bytes()
+    if building > HOST_RAM_SHARE * available:
+        return (
+            f"building it on {args.workers} workers needs {building / 2**30:.1f} GiB of this "
+            f"machine's {available / 2**30:.1f} GiB available"
+        )
+    return None
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def probe(strategy: str, width: int, args: argparse.Namespace) -> dict | None:
     """The workers' ledgers if ``width`` trains, None if a worker ran out of its budget."""
     config = model_config(width, args)
-    held = (
-        4
-        * gpt_parameter_count(**config)
-        * parameter_share(strategy, workers=args.workers, stages=args.workers)
-    )
-    if held > parse_size(args.memory_per_device):
-        # As `paratrain train` does: refused before any worker builds a model this large.
-        print(
-            f"  {strategy:<9} n_embd {width:>5}: refused, parameters alone need "
-            f"{held / 2**20:,.0f} MiB per worker",
-            flush=True,
-        )
+    refusal = refuse_before_launch(strategy, config, args)
+    if refusal:
+        print(f"  {strategy:<9} n_embd {width:>5}: refused before launch, {refusal}", flush=True)
         return None
     started = time.perf_counter()
     try:

@@ -29,12 +29,11 @@ from paratrain.parallel.batching import (
     batch_size,
     check_divisible,
     split_micro,
-    take_share,
-    to_device,
 )
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import recomputing_forward
+from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
 from paratrain.runtime import comm
@@ -50,7 +49,7 @@ def require_process_group(strategy: str) -> None:
 
 
 @register("dp")
-class DataParallelEngine(Engine):
+class DataParallelEngine(ReplicaShare, Engine):
     """Replicated model, sharded batch, gradients averaged by overlapped bucketed all-reduce.
 
     Options: ``bucket_mb`` (all-reduce bucket size, DDP's default 25), ``first_bucket_mb``
@@ -119,10 +118,6 @@ class DataParallelEngine(Engine):
             communication=self._loss_slot_bytes,
         )
 
-    @property
-    def world_size(self) -> int:
-        return self._replicas
-
     def _loss_slot_bytes(self) -> int:
         """Bytes of the extra slots (the step's loss) riding in the gradient buckets."""
         if self.reducer is None:
@@ -135,10 +130,6 @@ class DataParallelEngine(Engine):
         if state["gradients"]:
             state["gradients"] -= self._loss_slot_bytes()
         return state
-
-    def _share(self, batch: Any) -> Any:
-        """This replica's contiguous slice of the global batch, on its device."""
-        return to_device(take_share(batch, self._replica_rank, self._replicas), self._device)
 
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)
@@ -181,21 +172,6 @@ class DataParallelEngine(Engine):
             skipped_steps=self.precision.skipped_steps,
             loss_scale=self.precision.scale,
         )
-
-    @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: Any) -> float:
-        replicas = self._replicas
-        check_divisible(batch_size(inputs), replicas=replicas, micro_batches=1)
-        was_training = self.model.training
-        self.model.eval()
-        share_in, share_tgt = self._share(inputs), self._share(targets)
-        with self.precision.autocast(self._device):
-            loss = self.loss_fn(self.model(share_in), share_tgt)
-        loss = loss.detach().reshape(1) / replicas
-        self.model.train(was_training)
-        if replicas > 1:
-            comm.all_reduce_sum(loss, group=self.group)
-        return float(loss[0])
 
     def writes_shard(self) -> bool:
         return self._replica_rank == 0

@@ -62,13 +62,12 @@ from paratrain.parallel.batching import (
     batch_size,
     check_divisible,
     split_micro,
-    take_share,
-    to_device,
 )
 from paratrain.parallel.data_parallel import require_process_group
 from paratrain.parallel.grad_buckets import MiB, plan_buckets
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import recomputing_forward
+from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
     Engine,
@@ -87,7 +86,7 @@ from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
 
 
-class ZeroEngine(ShardedCheckpointState, Engine):
+class ZeroEngine(ReplicaShare, ShardedCheckpointState, Engine):
     """What the three stages share: flat units, sharded optimizer, reduce-scatter."""
 
     stage: int
@@ -179,14 +178,6 @@ class ZeroEngine(ShardedCheckpointState, Engine):
             own_shard_storage=self.stage == 3,
         )
 
-    @property
-    def world_size(self) -> int:
-        return self._replicas
-
-    def _share(self, batch: Any) -> Any:
-        """This replica's contiguous slice of the global batch, on its device."""
-        return to_device(take_share(batch, self._replica_rank, self._replicas), self._device)
-
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)
         replicas, k = self._replicas, self.gradient_accumulation
@@ -239,21 +230,9 @@ class ZeroEngine(ShardedCheckpointState, Engine):
         for handle, _mine in handles:
             comm.wait(handle, "parameter all_gather")
 
-    @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: Any) -> float:
-        replicas = self._replicas
-        check_divisible(batch_size(inputs), replicas=replicas, micro_batches=1)
-        was_training = self.model.training
-        self.model.eval()
-        share_in, share_tgt = self._share(inputs), self._share(targets)
-        with self.precision.autocast(self._device):
-            loss = self.loss_fn(self.model(share_in), share_tgt)
-        loss = loss.detach().float().reshape(1) / replicas
+    def _after_eval(self) -> None:
         if self.gatherer is not None:
             self.gatherer.release_all()
-        self.model.train(was_training)
-        comm.all_reduce_sum(loss, group=self.group)
-        return float(loss[0])
 
     # -- state --------------------------------------------------------------------------
 
