@@ -36,6 +36,7 @@ bench: install
 	$(PYTHON) benchmarks/bench_pipeline.py
 	$(PYTHON) benchmarks/bench_zero.py
 	$(PYTHON) benchmarks/bench_ps.py
+	$(PYTHON) benchmarks/stale_adam.py
 	$(PYTHON) benchmarks/bench_memory.py
 	$(PYTHON) benchmarks/largest_gpt.py
 

@@ -83,3 +83,17 @@ def test_bench_ps_runs_dp_and_both_ps_methods_and_prints_ratios(monkeypatch):
         assert set(summary[method]["pushes_per_s"]) == {0, 1, 2, 3}
     table = bench.format_table(summary)
     assert "| ps-async |" in table and "ps-staleness2: samples/s" in table
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
+    reason="../shared/data (tinyshakespeare) is absent",
+)
+def test_stale_adam_prints_one_loss_per_delay(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("stale_adam")
+    assert bench.main(["--delays", "0", "1", "--batches", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["0", "1"]
+    losses = [float(row.split("|")[2]) for row in rows[1:]]
+    assert all(0.0 < loss < 10.0 for loss in losses)
