@@ -164,14 +164,7 @@ class DataParallelEngine(ReplicaShare, Engine):
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()
-        return StepStats(
-            loss=mean_loss,
-            step=self.steps_taken,
-            samples=samples,
-            comm_bytes=comm.bytes_sent() - bytes_before,
-            skipped_steps=self.precision.skipped_steps,
-            loss_scale=self.precision.scale,
-        )
+        return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
 
     def writes_shard(self) -> bool:
         return self._replica_rank == 0

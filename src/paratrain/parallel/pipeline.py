@@ -228,14 +228,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()
-        return StepStats(
-            loss=float(loss),
-            step=self.steps_taken,
-            samples=samples,
-            comm_bytes=comm.bytes_sent() - bytes_before,
-            skipped_steps=self.precision.skipped_steps,
-            loss_scale=self.precision.scale,
-        )
+        return self._step_stats(float(loss), samples, comm.bytes_sent() - bytes_before)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:

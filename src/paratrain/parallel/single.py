@@ -83,13 +83,7 @@ class SingleDeviceEngine(Engine):
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()
-        return StepStats(
-            loss=float(total / k),
-            step=self.steps_taken,
-            samples=samples,
-            skipped_steps=self.precision.skipped_steps,
-            loss_scale=self.precision.scale,
-        )
+        return self._step_stats(float(total / k), samples)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:

@@ -122,6 +122,18 @@ class Engine(ABC):
         """Workers taking part in this engine."""
         return 1
 
+    def _step_stats(self, loss: float, samples: int, comm_bytes: int = 0) -> StepStats:
+        """The step just taken (``steps_taken`` already counts it), with the precision's
+        skip count and loss scale, which every engine reports the same way."""
+        return StepStats(
+            loss=loss,
+            step=self.steps_taken,
+            samples=samples,
+            comm_bytes=comm_bytes,
+            skipped_steps=self.precision.skipped_steps,
+            loss_scale=self.precision.scale,
+        )
+
     @abstractmethod
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         """One optimizer step on the global batch (identical on every rank)."""

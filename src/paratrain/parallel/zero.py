@@ -210,14 +210,7 @@ class ZeroEngine(ReplicaShare, ShardedCheckpointState, Engine):
             self._after_step()
         self.steps_taken += 1
         self.memory.end_step()
-        return StepStats(
-            loss=mean_loss,
-            step=self.steps_taken,
-            samples=samples,
-            comm_bytes=comm.bytes_sent() - bytes_before,
-            skipped_steps=self.precision.skipped_steps,
-            loss_scale=self.precision.scale,
-        )
+        return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
 
     def _after_step(self) -> None:
         """Stages 1-2: bring every rank's updated slice back into the full parameters."""

@@ -222,14 +222,7 @@ class ParameterServerEngine(Engine):
         self._straggle(time.perf_counter() - started)
         self._push(samples // workers, skipped=not carries)
         self.steps_taken += 1
-        return StepStats(
-            loss=share_loss,
-            step=self.steps_taken,
-            samples=samples // workers,
-            comm_bytes=self.link.bytes_sent - bytes_before,
-            skipped_steps=self.precision.skipped_steps,
-            loss_scale=self.precision.scale,
-        )
+        return self._step_stats(share_loss, samples // workers, self.link.bytes_sent - bytes_before)
 
     def _straggle(self, compute_s: float) -> None:
         if self.straggler is not None and self.straggler["rank"] == self._rank:
