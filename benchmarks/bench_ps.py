@@ -3,15 +3,20 @@
 Four workers train ``gpt`` on tinyshakespeare, one of them (rank 1) three times slower
 than the others (it sleeps twice its measured step time after each step; under ps the
 engine's ``straggler`` option does the same around its compute). Each method trains from
-the same initial weights on the same global batches until ``--samples`` samples have been
-applied. The three methods run in the same worker processes, one after the other, in an
-order that rotates from launch to launch, so that machine noise hits all of them alike.
+the same initial weights on the same global batches: dp until ``--samples`` samples have
+been applied, ps until ``--ps-samples`` (default twice as many: the question is how soon
+each reaches the target loss, and a ps run cut at dp's sample count might stop just short
+of it). The ps servers divide each push's learning rate by its staleness
+(``--staleness-lr``, the engine's default; ``constant`` shows what it buys). The three
+methods run in the same worker processes, one after the other, in an order that rotates
+from launch to launch, so that machine noise hits all of them alike.
 
 Reported per method, medians over launches: samples/s (samples applied / wall time until
 the last worker stopped), wall time until the training loss, averaged over the most recent
 ``--window`` global batches' worth of samples, first reaches the target loss (by default
-the loss dp reaches at 80% of its run, in the same launch), and the ratios to dp. The
-targets: ps at least 1.8x dp's samples/s, and at most 0.7x dp's time to the target loss.
+the loss dp reaches at 80% of its run, in the same launch), the ratios to dp, and the loss
+at dp's sample count (how much each method learns per sample). The targets: ps at least
+1.8x dp's samples/s, and at most 0.7x dp's time to the target loss.
 
     python benchmarks/bench_ps.py                  # defaults: 4 workers, 3 launches
     python benchmarks/bench_ps.py --repeats 1 --samples 640   # a smoke run
@@ -52,15 +57,17 @@ def global_batches(data_dir: str, block: int, batch: int, count: int):
     return bundle.vocab_size, [bundle.train[p] for p in picks]
 
 
-def train_one(method: str, settings: dict, batches: list, budget: int, straggler: dict) -> dict:
-    """Train one method until ``budget`` samples are applied; returns this worker's records."""
+def train_one(method: str, settings: dict, batches: list, straggler: dict) -> dict:
+    """Train one method until its budget of samples is applied; this worker's records."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_model("gpt", **settings["model"])
     options = dict(METHODS[method])
     strategy = options.pop("strategy")
+    budget = settings["samples"] if strategy == "dp" else settings["ps_samples"]
     if strategy == "ps":
         options["straggler"] = straggler
+        options["staleness_lr"] = settings["staleness_lr"]
     engine = paratrain.setup(
         model,
         optimizer=lambda params: torch.optim.Adam(params, lr=settings["lr"]),
@@ -101,7 +108,7 @@ def bench_worker(order: list[str], settings: dict, straggler: dict) -> dict:
         settings["data_dir"], settings["block"], settings["batch"], settings["batches"]
     )
     settings = {**settings, "model": {**settings["model"], "vocab_size": vocab}}
-    return {m: train_one(m, settings, batches, settings["samples"], straggler) for m in order}
+    return {m: train_one(m, settings, batches, straggler) for m in order}
 
 
 def time_to_target(records: list[tuple[float, float, int]], target: float, window: int):
@@ -118,25 +125,25 @@ def time_to_target(records: list[tuple[float, float, int]], target: float, windo
     return None
 
 
-def windowed_loss_at(records, fraction: float, window: int) -> float:
-    """The window-averaged loss at ``fraction`` of the run's samples (the default target)."""
+def windowed_loss_at(records, at_samples: float | None, window: int) -> float:
+    """The window-averaged loss once ``at_samples`` samples were trained (None: the end)."""
     ordered = sorted(records)
-    total = sum(n for _, _, n in ordered)
     seen, recent = 0, deque()
     for _, loss, samples in ordered:
         seen += samples
         recent.append((loss, samples))
         while sum(n for _, n in recent) - recent[0][1] >= window:
             recent.popleft()
-        if seen >= fraction * total:
+        if at_samples is not None and seen >= at_samples:
             break
     return sum(loss * n for loss, n in recent) / sum(n for _, n in recent)
 
 
 def analyse(launch: list[dict], target: float | None, window: int) -> dict:
     """Per method: samples/s, time to the target loss, and what ps measured."""
-    dp_records = launch[0]["dp"]["records"]
-    target = target if target is not None else windowed_loss_at(dp_records, 0.8, window)
+    dp_records, dp_samples = launch[0]["dp"]["records"], launch[0]["dp"]["samples"]
+    if target is None:
+        target = windowed_loss_at(dp_records, 0.8 * dp_samples, window)
     out = {"target_loss": target}
     for method in METHODS:
         per_worker = [r[method] for r in launch]
@@ -150,7 +157,9 @@ def analyse(launch: list[dict], target: float | None, window: int) -> dict:
         out[method] = {
             "samples_per_s": samples / wall,
             "time_to_target": time_to_target(records, target, window),
-            "final_loss": windowed_loss_at(records, 1.0, window),
+            "final_loss": windowed_loss_at(records, None, window),
+            "loss_at_dp_samples": windowed_loss_at(records, dp_samples, window),
+            "mean_lr_factor": metrics.get("mean_lr_factor"),
             "pushes_per_s": metrics.get("pushes_per_s"),
             "staleness_histogram": metrics.get("staleness_histogram"),
         }
@@ -159,12 +168,19 @@ def analyse(launch: list[dict], target: float | None, window: int) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """``repeats`` launches, the method order rotating; medians and ratios over launches."""
+    ps_samples = args.ps_samples or 2 * args.samples
     settings = {
         "data_dir": str(args.data_dir),
         "block": args.block_size,
         "batch": args.global_batch,
-        "batches": max(1, args.samples // args.global_batch),
+        # Enough that no worker ever trains on a batch twice: a ps worker pushes at most
+        # every push of its run, each of a 1/workers share of a global batch.
+        "batches": max(
+            args.samples // args.global_batch, ps_samples * args.workers // args.global_batch, 1
+        ),
         "samples": args.samples,
+        "ps_samples": ps_samples,
+        "staleness_lr": args.staleness_lr,
         "lr": args.lr,
         "model": {
             "block_size": args.block_size,
@@ -201,6 +217,8 @@ def summarize(launches: list[dict]) -> dict:
             "samples_per_s": _median([r["samples_per_s"] for r in runs]),
             "time_to_target": _median([r["time_to_target"] for r in runs]),
             "final_loss": _median([r["final_loss"] for r in runs]),
+            "loss_at_dp_samples": _median([r["loss_at_dp_samples"] for r in runs]),
+            "mean_lr_factor": _median([r["mean_lr_factor"] for r in runs]),
             "samples_per_s_over_dp": _median(
                 [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(runs, dp, strict=True)]
             ),
@@ -229,9 +247,9 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(summary: dict) -> str:
     lines = [
-        "| method | samples/s | vs dp | time to target (s) | vs dp | final loss | reached "
-        "| pushes/s per worker | push staleness |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | samples/s | vs dp | time to target (s) | vs dp | reached | loss at dp's "
+        "samples | final loss | lr factor | pushes/s per worker | push staleness |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method in METHODS:
         row = summary[method]
@@ -246,8 +264,9 @@ def format_table(summary: dict) -> str:
             f"| {_fmt(row['samples_per_s_over_dp'], '.2f')}x "
             f"| {_fmt(row['time_to_target'], '.1f')} "
             f"| {_fmt(row['time_to_target_over_dp'], '.2f')}x "
-            f"| {_fmt(row['final_loss'], '.3f')} | {row['reached_target']}/{summary['launches']} "
-            f"| {rates} | {histogram} |"
+            f"| {row['reached_target']}/{summary['launches']} "
+            f"| {_fmt(row['loss_at_dp_samples'], '.3f')} | {_fmt(row['final_loss'], '.3f')} "
+            f"| {_fmt(row['mean_lr_factor'], '.2f')} | {rates} | {histogram} |"
         )
     for method in ("ps-async", "ps-staleness2"):
         row = summary[method]
@@ -266,7 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--straggler-rank", type=int, default=1)
     parser.add_argument("--slowdown", type=float, default=3.0)
-    parser.add_argument("--samples", type=int, default=32 * 80, help="samples each method trains")
+    parser.add_argument("--samples", type=int, default=32 * 80, help="samples dp trains")
+    parser.add_argument(
+        "--ps-samples", type=int, default=None, help="samples each ps run trains (default 2x)"
+    )
+    parser.add_argument("--staleness-lr", choices=("inverse", "constant"), default="inverse")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -288,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         f"torch {torch.__version__}; gpt on tinyshakespeare, {args.workers} workers, worker "
-        f"{args.straggler_rank} {args.slowdown:g}x slower, {args.samples} samples per method, "
+        f"{args.straggler_rank} {args.slowdown:g}x slower, {args.samples} samples for dp and "
+        f"{args.ps_samples or 2 * args.samples} per ps run, staleness_lr {args.staleness_lr}, "
         f"{args.repeats} launch(es); medians over launches"
     )
     summary = run(args)

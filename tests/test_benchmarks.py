@@ -81,6 +81,8 @@ def test_bench_ps_runs_dp_and_both_ps_methods_and_prints_ratios(monkeypatch):
     for method in ("ps-async", "ps-staleness2"):
         assert summary[method]["samples_per_s"] > 0
         assert set(summary[method]["pushes_per_s"]) == {0, 1, 2, 3}
+        assert 0 < summary[method]["mean_lr_factor"] <= 1.0
+        assert summary[method]["loss_at_dp_samples"] > 0
     table = bench.format_table(summary)
     assert "| ps-async |" in table and "ps-staleness2: samples/s" in table
 

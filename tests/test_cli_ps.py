@@ -28,7 +28,7 @@ def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
     )
     assert code == 0, err
     assert "strategy ps, 4 worker(s), 12 steps, global batch 16" in out
-    assert "servers           1, staleness bound 2" in out
+    assert "servers           1, staleness bound 2, lr / staleness (mean factor" in out
     assert "pushes/s          worker 0:" in out and "worker 3:" in out
     assert "push staleness" in out and "sample:" in out
     summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
@@ -67,6 +67,7 @@ def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
         (["--strategy", "dp", "--devices", "2", "--straggler", "1:3"], "is a ps option"),
         (["--strategy", "ps", "--staleness", "-1"], "staleness must be at least 0"),
         (["--strategy", "ps", "--straggler", "1"], "straggler must be RANK:SLOWDOWN"),
+        (["--strategy", "ps", "--staleness-lr", "sqrt"], "staleness_lr must be inverse or"),
         (["--strategy", "ps", "--devices", "3", "--global-batch", "32"], "3 replica(s)"),
     ],
 )

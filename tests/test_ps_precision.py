@@ -31,13 +31,14 @@ from tests.test_precision import BF16_TOLERANCE, FORCED, LOSS_TOLERANCE
 # ---- the server's rule, in-process ------------------------------------------------------
 
 
-def shard_server(staleness: int | None) -> ShardServer:
+def shard_server(staleness: int | None, staleness_lr: str = "inverse") -> ShardServer:
     """A server of two workers holding one 3-vector at zero, under SGD with lr 1."""
     model = torch.nn.Linear(3, 1, bias=False)
     spec = {
         "workers": 2,
         "servers": 1,
         "staleness": staleness,
+        "staleness_lr": staleness_lr,
         "shards": [[ParamSpec("weight", (1, 3), torch.float32).to_json()]],
         "optimizer": describe_optimizer(lambda p: torch.optim.SGD(p, lr=1.0), model),
     }
@@ -46,13 +47,14 @@ def shard_server(staleness: int | None) -> ShardServer:
     return server
 
 
-def push(server: ShardServer, worker: int, grad: float | None) -> None:
-    """A push of ``grad`` everywhere, or (None) a push that carries no gradient."""
+def push(server: ShardServer, worker: int, grad: float | None, pulled: int | None = None) -> None:
+    """A push of ``grad`` everywhere, or (None) a push that carries no gradient, computed
+    on version ``pulled`` (default: the current one, a fresh push)."""
     header = request_header(
         Op.PUSH,
         flags=1,
         clock=server.book.clocks[worker],
-        pulled=server.version,
+        pulled=server.version if pulled is None else pulled,
         samples=8,
         skipped=grad is None,
         has_grad=[grad is not None],

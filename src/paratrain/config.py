@@ -91,6 +91,13 @@ class TrainConfig:
             "none_allowed": True,
         },
     )
+    staleness_lr: str = field(
+        default="inverse",
+        metadata={
+            "help": "ps: inverse divides a push's learning rate by its staleness, constant "
+            "applies every push at --lr"
+        },
+    )
     straggler: str | None = field(
         default=None,
         metadata={"help": "RANK:SLOWDOWN, e.g. 1:3 makes worker 1 three times slower (ps)"},
@@ -148,6 +155,10 @@ class TrainConfig:
         if self.staleness is not None and self.staleness < 0:
             raise ConfigError(
                 f"staleness must be at least 0 (or none for asynchronous), not {self.staleness}."
+            )
+        if self.staleness_lr not in ("inverse", "constant"):
+            raise ConfigError(
+                f"staleness_lr must be inverse or constant, not {self.staleness_lr!r}."
             )
         self.straggler_setting()
         if self.optimizer not in ("sgd", "adam", "adamw"):

@@ -53,7 +53,7 @@ _STRATEGY_OPTIONS = {
     "single": ("recompute",),
     "dp": ("bucket_mb", "recompute"),
     "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
-    "ps": ("servers", "staleness"),
+    "ps": ("servers", "staleness", "staleness_lr"),
     "zero1": ("bucket_mb", "recompute"),
     "zero2": ("bucket_mb", "recompute"),
     "zero3": ("recompute",),

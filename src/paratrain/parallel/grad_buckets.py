@@ -11,6 +11,11 @@ How it works (the design PyTorch DDP's reducer made standard, kept small here):
 - A post-accumulate-grad hook counts down each bucket; a bucket whose gradients are all
   ready is all-reduced asynchronously. Buckets launch strictly in index order, so every
   rank issues the same collectives in the same order even if autograd's order differs.
+- The last bucket has no hooks: it can launch only after every other bucket, and it holds
+  the first-registered parameters (of the last dtype), whose gradients backward produces
+  last, so ``finish()`` launches it when a hook would have. Where everything fits one
+  bucket (gpt and mlp on gloo) that saves a Python call per parameter and step, which
+  DDP's reducer makes in C++.
 - ``finish()`` launches what backward did not reach (unused parameters contribute zeros)
   and waits. Callers pre-scale the loss so that the summed gradient is the mean.
 - A few extra float slots ride along in the last bucket: the engine puts the step's loss
@@ -100,7 +105,7 @@ class BucketedGradientReducer:
         self._armed = False
         self._next_launch = 0
         self._separate_extras: torch.Tensor | None = None
-        for bucket in self.buckets:
+        for bucket in self.buckets[:-1]:  # the last one launches in finish(): see above
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.attach_grads()

@@ -53,6 +53,7 @@ from paratrain.parallel.parameter_server.client import ServerLink
 from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
 from paratrain.parallel.parameter_server.protocol import Op, ShardLayout
 from paratrain.parallel.parameter_server.sharding import ParamSpec, assign_shards, check_servers
+from paratrain.parallel.parameter_server.stale_lr import check_policy
 from paratrain.parallel.parameter_server.staleness import check_bound
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.single import canonical_state
@@ -101,6 +102,8 @@ class ParameterServerEngine(Engine):
 
     Options: ``servers`` (server processes, default 1), ``staleness`` (0 = synchronous,
     k = at most k steps ahead of the slowest live worker, None = asynchronous),
+    ``staleness_lr`` ("inverse", the default: a push's learning rate is divided by its
+    staleness, see ``stale_lr``; "constant": every push at the optimizer's rate),
     ``straggler`` (``{"rank": r, "slowdown": s}``: worker r sleeps (s - 1) times its
     compute time each step; for tests and benchmarks), ``timeout_s`` (the longest any
     wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
@@ -120,6 +123,7 @@ class ParameterServerEngine(Engine):
         memory_per_device: str | int | None = None,
         servers: int = 1,
         staleness: int | None = 0,
+        staleness_lr: str = "inverse",
         straggler: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
     ) -> None:
@@ -133,6 +137,7 @@ class ParameterServerEngine(Engine):
         )
         require_launch()
         self.staleness = check_bound(staleness)
+        self.staleness_lr = check_policy(staleness_lr)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
         self.timeout_s = float(timeout_s)
@@ -156,6 +161,7 @@ class ParameterServerEngine(Engine):
                 "workers": self._workers,
                 "servers": self.servers,
                 "staleness": self.staleness,
+                "staleness_lr": self.staleness_lr,
                 "shards": [[s.to_json() for s in shard] for shard in shards],
                 "optimizer": describe_optimizer(optimizer, self.model),
             }
@@ -354,6 +360,8 @@ class ParameterServerEngine(Engine):
         return {
             "servers": self.servers,
             "staleness": self.staleness,
+            "staleness_lr": self.staleness_lr,
+            "mean_lr_factor": lead["mean_lr_factor"],
             "workers": self._workers,
             "pushes": {int(w): n for w, n in lead["pushes"].items()},
             "pushes_per_s": {int(w): r for w, r in lead["pushes_per_s"].items()},

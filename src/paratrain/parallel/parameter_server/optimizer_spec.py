@@ -6,6 +6,14 @@ result's description: the class by import path, its defaults, and each parameter
 hyperparameters with the names of its parameters. A server rebuilds the class over the
 parameters it holds, group by group. JSON only (never a pickle); floats survive JSON
 exactly, so the rebuilt optimizer takes the same steps.
+
+One choice is the server's own: where the user left the implementation to torch (``fused``
+and ``foreach`` both None) and torch has a fused CPU kernel for the class (SGD, Adam,
+AdamW, Adagrad), the server builds the fused one. torch's own default on CPU is the
+per-tensor loop, which on the quick-start gpt takes 4 ms per Adam step against 1 ms
+fused; a server takes one step per push, under its lock, so that is time every worker
+waits. The update is the same function (its results agree to float rounding, and the
+synchronous parity tests hold at 1e-5); a user who names an implementation gets it.
 """
 
 from __future__ import annotations
@@ -76,10 +84,22 @@ def describe_optimizer(
     return description
 
 
+_FUSED_ON_CPU = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+
+
+def _implementation_left_to_torch(hyper: dict[str, Any]) -> bool:
+    return (
+        hyper.get("fused") is None
+        and hyper.get("foreach") is None
+        and not hyper.get("differentiable", False)
+    )
+
+
 def build_optimizer(
     description: dict[str, Any], params: dict[str, nn.Parameter]
 ) -> torch.optim.Optimizer:
-    """The described optimizer over the parameters in ``params`` (a server's shard)."""
+    """The described optimizer over the parameters in ``params`` (a server's shard), fused
+    where the user left the implementation to torch and torch has a fused CPU kernel."""
     module, _, qualname = description["class"].partition(":")
     cls: Any = importlib.import_module(module)
     for part in qualname.split("."):
@@ -91,6 +111,13 @@ def build_optimizer(
             hyper = {k: _restore(v) for k, v in group["hyper"].items()}
             groups.append({"params": mine, **hyper})
     defaults = {k: _restore(v) for k, v in description["defaults"].items()}
+    fuse = cls in _FUSED_ON_CPU and all(
+        _implementation_left_to_torch(h) for h in [defaults, *groups]
+    )
+    if fuse:
+        defaults["fused"] = True
+        for group in groups:
+            group["fused"] = True
     # A subclass may fix a default its constructor does not take (AdamW's
     # decoupled_weight_decay); each group carries every value anyway.
     accepted = inspect.signature(cls.__init__).parameters

@@ -18,6 +18,9 @@ evaluating for a long time); the server's life is bounded instead: it exits once
 worker said goodbye or died, and within a second of the launch store disappearing (the
 launch ended or its process died).
 
+Asynchronous pushes (``staleness`` >= 1 or None) are applied at a learning rate divided
+by their staleness unless the job asks for ``staleness_lr="constant"``; see ``stale_lr``.
+
 A push that carries no gradient (the worker's fp16 gradients overflowed, so it has none
 worth sending) moves that worker's clock and changes nothing else. Under ``staleness=0``
 a version's mean gradient is taken over the pushes that carried one, not over every
@@ -67,6 +70,7 @@ from paratrain.parallel.parameter_server.protocol import (
     wait_all,
 )
 from paratrain.parallel.parameter_server.sharding import ParamSpec
+from paratrain.parallel.parameter_server.stale_lr import lr_factor, scaled_learning_rate
 from paratrain.parallel.parameter_server.staleness import StalenessBook
 
 _NO_DEADLINE = timedelta(days=30)  # see the module docstring: the job bounds the server
@@ -87,6 +91,8 @@ class ShardServer:
         self.optimizer = build_optimizer(spec["optimizer"], self.params)
         self.book = StalenessBook(self.workers, spec["staleness"])
         self.synchronous = spec["staleness"] == 0
+        self.staleness_lr = spec["staleness_lr"]
+        self._lr_factors = [0.0, 0]  # sum and count over applied asynchronous pushes
         self.lock = threading.Condition()
         self.version = 0
         self.samples_applied = 0
@@ -206,10 +212,15 @@ class ShardServer:
         self, worker: int, grads, has_grad: Sequence[bool], pulled: int, samples: int
     ) -> None:
         """Apply (or, synchronously, add up) one push; ``grads`` None: it carried none."""
-        self.book.record_push(worker, self.version - pulled, skipped=grads is None)
+        staleness = self.version - pulled
+        self.book.record_push(worker, staleness, skipped=grads is None)
         if not self.synchronous:
             if grads is not None:
-                self._apply(self.layout.views(grads), has_grad, samples)
+                factor = lr_factor(self.staleness_lr, staleness)
+                self._lr_factors[0] += factor
+                self._lr_factors[1] += 1
+                with scaled_learning_rate(self.optimizer, factor):
+                    self._apply(self.layout.views(grads), has_grad, samples)
             return
         self._pending_count += 1
         if grads is not None:
@@ -309,6 +320,10 @@ class ShardServer:
             "version": self.version,
             "samples_applied": self.samples_applied,
             "parameter_bytes": self.layout.nbytes,
+            "staleness_lr": self.staleness_lr,
+            "mean_lr_factor": (
+                self._lr_factors[0] / self._lr_factors[1] if self._lr_factors[1] else 1.0
+            ),
             **self.book.summary(),
         }
 
