@@ -38,6 +38,7 @@ import torch.distributed as dist
 import paratrain
 from paratrain.data import build_dataset
 from paratrain.models import build_model, loss_for
+from paratrain.parallel.parameter_server.stale_lr import POLICIES
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data"
@@ -289,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ps-samples", type=int, default=None, help="samples each ps run trains (default 2x)"
     )
-    parser.add_argument("--staleness-lr", choices=("inverse", "constant"), default="inverse")
+    parser.add_argument("--staleness-lr", choices=POLICIES, default="inverse")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=4)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from paratrain.parallel.parameter_server.stale_lr import POLICIES as STALENESS_LR_POLICIES
 from paratrain.parallel.precision import PRECISIONS
 from paratrain.runtime.units import parse_size
 
@@ -156,9 +157,10 @@ class TrainConfig:
             raise ConfigError(
                 f"staleness must be at least 0 (or none for asynchronous), not {self.staleness}."
             )
-        if self.staleness_lr not in ("inverse", "constant"):
+        if self.staleness_lr not in STALENESS_LR_POLICIES:
             raise ConfigError(
-                f"staleness_lr must be inverse or constant, not {self.staleness_lr!r}."
+                f"staleness_lr must be {' or '.join(STALENESS_LR_POLICIES)}, not "
+                f"{self.staleness_lr!r}."
             )
         self.straggler_setting()
         if self.optimizer not in ("sgd", "adam", "adamw"):

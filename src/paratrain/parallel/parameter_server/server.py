@@ -92,7 +92,6 @@ class ShardServer:
         self.book = StalenessBook(self.workers, spec["staleness"])
         self.synchronous = spec["staleness"] == 0
         self.staleness_lr = spec["staleness_lr"]
-        self._lr_factors = [0.0, 0]  # sum and count over applied asynchronous pushes
         self.lock = threading.Condition()
         self.version = 0
         self.samples_applied = 0
@@ -216,10 +215,7 @@ class ShardServer:
         self.book.record_push(worker, staleness, skipped=grads is None)
         if not self.synchronous:
             if grads is not None:
-                factor = lr_factor(self.staleness_lr, staleness)
-                self._lr_factors[0] += factor
-                self._lr_factors[1] += 1
-                with scaled_learning_rate(self.optimizer, factor):
+                with scaled_learning_rate(self.optimizer, lr_factor(self.staleness_lr, staleness)):
                     self._apply(self.layout.views(grads), has_grad, samples)
             return
         self._pending_count += 1
@@ -315,15 +311,16 @@ class ShardServer:
         return {"loaded": len(self.params)}
 
     def _metrics(self) -> dict:
+        applied = self.book.histogram  # staleness of every push that carried a gradient
+        factors = sum(n * lr_factor(self.staleness_lr, s) for s, n in applied.items())
         return {
             "server": self.index,
             "version": self.version,
             "samples_applied": self.samples_applied,
             "parameter_bytes": self.layout.nbytes,
             "staleness_lr": self.staleness_lr,
-            "mean_lr_factor": (
-                self._lr_factors[0] / self._lr_factors[1] if self._lr_factors[1] else 1.0
-            ),
+            # Synchronous pushes are all fresh (staleness 0), so their factor is 1 as applied.
+            "mean_lr_factor": factors / sum(applied.values()) if applied else 1.0,
             **self.book.summary(),
         }
 
