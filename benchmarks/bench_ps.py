@@ -1,4 +1,4 @@
-"""paratrain ps (asynchronous, and staleness 2) against dp with a straggler, in one run.
+"""paratrain ps (asynchronous, staleness 2, backup worker) against dp with a straggler.
 
 Four workers train ``gpt`` on tinyshakespeare, one of them (rank 1) three times slower
 than the others (it sleeps twice its measured step time after each step; under ps the
@@ -7,9 +7,11 @@ the same initial weights on the same global batches: dp until ``--samples`` samp
 been applied, ps until ``--ps-samples`` (default twice as many: the question is how soon
 each reaches the target loss, and a ps run cut at dp's sample count might stop just short
 of it). The ps servers divide each push's learning rate by its staleness
-(``--staleness-lr``, the engine's default; ``constant`` shows what it buys). The three
-methods run in the same worker processes, one after the other, in an order that rotates
-from launch to launch, so that machine noise hits all of them alike.
+(``--staleness-lr``, the engine's default; ``constant`` shows what it buys). ``ps-backup1``
+is synchronous ps with one backup worker: a version closes on the first three fresh
+pushes, and the straggler's late pushes fold into the next one (see the engine's
+``backup`` module). The methods run in the same worker processes, one after the other, in
+an order that rotates from launch to launch, so that machine noise hits all of them alike.
 
 Reported per method, medians over launches: samples/s (samples applied / wall time until
 the last worker stopped), wall time until the training loss, averaged over the most recent
@@ -46,6 +48,7 @@ METHODS = {
     "dp": {"strategy": "dp"},
     "ps-async": {"strategy": "ps", "staleness": None},
     "ps-staleness2": {"strategy": "ps", "staleness": 2},
+    "ps-backup1": {"strategy": "ps", "staleness": 0, "backup_workers": 1},
 }
 TARGETS = {"samples_per_s": 1.8, "time_to_target": 0.7}
 
@@ -140,13 +143,13 @@ def windowed_loss_at(records, at_samples: float | None, window: int) -> float:
     return sum(loss * n for loss, n in recent) / sum(n for _, n in recent)
 
 
-def analyse(launch: list[dict], target: float | None, window: int) -> dict:
+def analyse(launch: list[dict], target: float | None, window: int, methods: list[str]) -> dict:
     """Per method: samples/s, time to the target loss, and what ps measured."""
     dp_records, dp_samples = launch[0]["dp"]["records"], launch[0]["dp"]["samples"]
     if target is None:
         target = windowed_loss_at(dp_records, 0.8 * dp_samples, window)
     out = {"target_loss": target}
-    for method in METHODS:
+    for method in methods:
         per_worker = [r[method] for r in launch]
         wall = max(r["end"] for r in per_worker)
         if method == "dp":
@@ -193,15 +196,15 @@ def run(args: argparse.Namespace) -> dict:
     straggler = {"rank": args.straggler_rank, "slowdown": args.slowdown}
     window = args.window * args.global_batch
     launches = []
-    names = list(METHODS)
+    names = ["dp", *(m for m in args.methods if m != "dp")]
     for repeat in range(args.repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
         results = paratrain.launch(
             bench_worker, devices=args.workers, args=(order, settings, straggler)
         )
-        launches.append(analyse(results, args.target_loss, window))
+        launches.append(analyse(results, args.target_loss, window, names))
         print(f"launch {repeat + 1}/{args.repeats} (order {', '.join(order)}) done", flush=True)
-    return summarize(launches)
+    return summarize(launches, names)
 
 
 def _median(values: list) -> float | None:
@@ -209,9 +212,9 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(launches: list[dict]) -> dict:
+def summarize(launches: list[dict], methods: list[str]) -> dict:
     rows = {}
-    for method in METHODS:
+    for method in methods:
         runs = [launch[method] for launch in launches]
         dp = [launch["dp"] for launch in launches]
         rows[method] = {
@@ -236,6 +239,7 @@ def summarize(launches: list[dict]) -> dict:
             "staleness_histogram": runs[-1]["staleness_histogram"],
         }
     return {
+        "methods": methods,
         "launches": len(launches),
         "target_loss": [run["target_loss"] for run in launches],
         **rows,
@@ -252,7 +256,7 @@ def format_table(summary: dict) -> str:
         "samples | final loss | lr factor | pushes/s per worker | push staleness |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in METHODS:
+    for method in summary["methods"]:
         row = summary[method]
         rates = row["pushes_per_s"]
         rates = ", ".join(f"{w}: {r:.1f}" for w, r in sorted(rates.items())) if rates else "-"
@@ -269,7 +273,7 @@ def format_table(summary: dict) -> str:
             f"| {_fmt(row['loss_at_dp_samples'], '.3f')} | {_fmt(row['final_loss'], '.3f')} "
             f"| {_fmt(row['mean_lr_factor'], '.2f')} | {rates} | {histogram} |"
         )
-    for method in ("ps-async", "ps-staleness2"):
+    for method in summary["methods"][1:]:
         row = summary[method]
         speed, when = row["samples_per_s_over_dp"], row["time_to_target_over_dp"]
         lines.append(
@@ -291,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ps-samples", type=int, default=None, help="samples each ps run trains (default 2x)"
     )
     parser.add_argument("--staleness-lr", choices=POLICIES, default="inverse")
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="dp always runs"
+    )
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=4)

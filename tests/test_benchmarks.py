@@ -68,7 +68,7 @@ def test_bench_zero_runs_paratrain_and_both_peers_and_measures_memory(monkeypatc
     not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
     reason="../shared/data (tinyshakespeare) is absent",
 )
-def test_bench_ps_runs_dp_and_both_ps_methods_and_prints_ratios(monkeypatch):
+def test_bench_ps_runs_dp_and_every_ps_method_and_prints_ratios(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("bench_ps")
     args = bench.build_parser().parse_args(
@@ -78,13 +78,15 @@ def test_bench_ps_runs_dp_and_both_ps_methods_and_prints_ratios(monkeypatch):
     summary = bench.run(args)
     assert summary["launches"] == 1
     assert summary["dp"]["samples_per_s_over_dp"] == pytest.approx(1.0)
-    for method in ("ps-async", "ps-staleness2"):
+    assert summary["methods"] == ["dp", "ps-async", "ps-staleness2", "ps-backup1"]
+    for method in summary["methods"][1:]:
         assert summary[method]["samples_per_s"] > 0
         assert set(summary[method]["pushes_per_s"]) == {0, 1, 2, 3}
         assert 0 < summary[method]["mean_lr_factor"] <= 1.0
         assert summary[method]["loss_at_dp_samples"] > 0
     table = bench.format_table(summary)
     assert "| ps-async |" in table and "ps-staleness2: samples/s" in table
+    assert "| ps-backup1 |" in table and "ps-backup1: samples/s" in table
 
 
 @pytest.mark.skipif(

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.checkpoint import load_model_state, read_manifest
+from paratrain.cli import _ps_lines
 from paratrain.models import build_model
 from paratrain.report import read_metrics
 from tests.test_cli_train import SHARED_DATA, run_cli
@@ -69,9 +70,30 @@ def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
         (["--strategy", "ps", "--straggler", "1"], "straggler must be RANK:SLOWDOWN"),
         (["--strategy", "ps", "--staleness-lr", "sqrt"], "staleness_lr must be inverse or"),
         (["--strategy", "ps", "--devices", "3", "--global-batch", "32"], "3 replica(s)"),
+        (["--strategy", "ps", "--staleness", "none", "--backup-workers", "1"], "staleness=0"),
+        (["--strategy", "dp", "--backup-workers", "1"], "--backup-workers is a ps option"),
+        (["--strategy", "ps", "--devices", "2", "--backup-workers", "2"], "less than the number"),
+        (["--strategy", "ps", "--backup-workers", "-1"], "backup_workers must be at least 0"),
     ],
 )
 def test_bad_ps_settings_are_refused_before_any_worker_starts(tmp_path, capsys, args, message):
     code, _, err = run_cli(capsys, *MLP, "--run-dir", str(tmp_path / "r"), *args)
     assert code == 2
     assert message in err
+
+
+def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():
+    ps = {
+        "servers": 1,
+        "staleness": 0,
+        "backup_workers": 1,
+        "staleness_lr": "inverse",
+        "mean_lr_factor": 0.8,
+        "pushes_per_s": {0: 3.0, 1: 1.0},
+        "staleness_histogram": {0: 9, 3: 2},
+    }
+    lines = _ps_lines({"ps": ps})
+    said = "staleness bound 0 (synchronous) with 1 backup worker(s): late pushes fold in"
+    assert said in lines[0]
+    assert "lr / staleness (mean factor 0.80)" in lines[0]
+    assert "0: 9, 3: 2" in lines[2]

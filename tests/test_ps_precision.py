@@ -31,14 +31,17 @@ from tests.test_precision import BF16_TOLERANCE, FORCED, LOSS_TOLERANCE
 # ---- the server's rule, in-process ------------------------------------------------------
 
 
-def shard_server(staleness: int | None, staleness_lr: str = "inverse") -> ShardServer:
-    """A server of two workers holding one 3-vector at zero, under SGD with lr 1."""
+def shard_server(
+    staleness: int | None, staleness_lr: str = "inverse", workers: int = 2, backup_workers: int = 0
+) -> ShardServer:
+    """A server of ``workers`` workers holding one 3-vector at zero, under SGD with lr 1."""
     model = torch.nn.Linear(3, 1, bias=False)
     spec = {
-        "workers": 2,
+        "workers": workers,
         "servers": 1,
         "staleness": staleness,
         "staleness_lr": staleness_lr,
+        "backup_workers": backup_workers,
         "shards": [[ParamSpec("weight", (1, 3), torch.float32).to_json()]],
         "optimizer": describe_optimizer(lambda p: torch.optim.SGD(p, lr=1.0), model),
     }

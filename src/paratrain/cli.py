@@ -80,7 +80,10 @@ def _ps_lines(extra: dict) -> list[str]:
     bound = "none (asynchronous)" if ps["staleness"] is None else ps["staleness"]
     rates = ", ".join(f"worker {w}: {r:.1f}" for w, r in sorted(ps["pushes_per_s"].items()))
     histogram = ", ".join(f"{s}: {n}" for s, n in sorted(ps["staleness_histogram"].items()))
-    if ps.get("staleness_lr") == "inverse" and ps["staleness"] != 0:
+    backup = ps.get("backup_workers", 0)
+    if backup:
+        bound = f"{bound} (synchronous) with {backup} backup worker(s): late pushes fold in"
+    if ps.get("staleness_lr") == "inverse" and (ps["staleness"] != 0 or backup):
         bound = f"{bound}, lr / staleness (mean factor {ps['mean_lr_factor']:.2f})"
     lines = [
         f"  servers           {ps['servers']}, staleness bound {bound}",

@@ -99,6 +99,13 @@ class TrainConfig:
             "applies every push at --lr"
         },
     )
+    backup_workers: int = field(
+        default=0,
+        metadata={
+            "help": "ps with --staleness 0: a version needs only the first N - this many "
+            "workers' pushes; later ones fold into the next (no waiting for stragglers)"
+        },
+    )
     straggler: str | None = field(
         default=None,
         metadata={"help": "RANK:SLOWDOWN, e.g. 1:3 makes worker 1 three times slower (ps)"},
@@ -140,6 +147,7 @@ class TrainConfig:
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
             ("servers", 1),
+            ("backup_workers", 0),
         ):
             value = getattr(self, name)
             if value < minimum:

@@ -29,6 +29,7 @@ from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import strategy_names
 from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.fit_advice import advice, parameter_share
+from paratrain.parallel.parameter_server.backup import check_backup_workers
 from paratrain.parallel.partition import check_stages, validate_balance
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter, format_bytes
@@ -53,7 +54,7 @@ _STRATEGY_OPTIONS = {
     "single": ("recompute",),
     "dp": ("bucket_mb", "recompute"),
     "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
-    "ps": ("servers", "staleness", "staleness_lr"),
+    "ps": ("servers", "staleness", "staleness_lr", "backup_workers"),
     "zero1": ("bucket_mb", "recompute"),
     "zero2": ("bucket_mb", "recompute"),
     "zero3": ("recompute",),
@@ -131,6 +132,15 @@ def check_ps(config: TrainConfig, devices: int) -> None:
             f"--straggler names worker {straggler['rank']}, but the run has {devices} "
             f"worker(s) (0..{devices - 1})."
         )
+    if config.backup_workers and config.strategy != "ps":
+        raise ConfigError(
+            "--backup-workers is a ps option; pass --strategy ps or drop --backup-workers."
+        )
+    if config.strategy == "ps":
+        try:
+            check_backup_workers(config.backup_workers, config.staleness, devices)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def check_layers(config: TrainConfig, bundle: DatasetBundle) -> None:

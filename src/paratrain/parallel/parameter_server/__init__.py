@@ -4,6 +4,7 @@ engine.py         the worker's engine: pull, compute its share, push; state and 
 server.py         a server process: one shard, its optimizer, one thread per worker
 staleness.py      clocks, the staleness bound, the histogram (pure bookkeeping)
 stale_lr.py       the staleness-aware learning rate of asynchronous pushes
+backup.py         synchronous rounds that need only the first N - b pushes
 sharding.py       parameters over servers, greedily by bytes (pure)
 optimizer_spec.py the user's optimizer described as JSON and rebuilt in a server
 protocol.py       message headers and packing over gloo point-to-point

@@ -7,7 +7,10 @@ gradient of its contiguous share of the global batch (as dp does, with the same
 micro-batching), and pushes it; ``train_step`` returns once every server accepted the
 push. A server applies each push as it arrives (``staleness`` >= 1 or None), or, with
 ``staleness=0``, averages one push from every live worker per version and takes one
-optimizer step, which makes the run equal to the single-device engine.
+optimizer step, which makes the run equal to the single-device engine. With
+``staleness=0, backup_workers=b`` a version takes the first N - b pushes computed on it and
+folds the late ones into the next (see ``backup``): synchronous steps, no waiting for
+the slowest worker.
 
 Under asynchrony some things mean something narrower than under dp, on purpose (no worker
 may wait on another): ``StepStats.loss`` is the mean loss of this worker's share, and
@@ -49,6 +52,7 @@ from paratrain.parallel.batching import (
     to_device,
 )
 from paratrain.parallel.parameter_server import jobkeys, spawn
+from paratrain.parallel.parameter_server.backup import check_backup_workers
 from paratrain.parallel.parameter_server.client import ServerLink
 from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
 from paratrain.parallel.parameter_server.protocol import Op, ShardLayout
@@ -104,6 +108,9 @@ class ParameterServerEngine(Engine):
     k = at most k steps ahead of the slowest live worker, None = asynchronous),
     ``staleness_lr`` ("inverse", the default: a push's learning rate is divided by its
     staleness, see ``stale_lr``; "constant": every push at the optimizer's rate),
+    ``backup_workers`` (with ``staleness=0`` only: a version closes on its first N - b
+    fresh pushes, late pushes are folded into the next at the ``staleness_lr`` factor; see
+    ``backup``),
     ``straggler`` (``{"rank": r, "slowdown": s}``: worker r sleeps (s - 1) times its
     compute time each step; for tests and benchmarks), ``timeout_s`` (the longest any
     wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
@@ -124,6 +131,7 @@ class ParameterServerEngine(Engine):
         servers: int = 1,
         staleness: int | None = 0,
         staleness_lr: str = "inverse",
+        backup_workers: int = 0,
         straggler: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
     ) -> None:
@@ -147,6 +155,7 @@ class ParameterServerEngine(Engine):
         self.servers = check_servers(servers, len(specs))
         self._workers, self._rank = comm.world_size(), comm.rank()
         self.straggler = check_straggler(straggler, self._workers)
+        self.backup_workers = check_backup_workers(backup_workers, self.staleness, self._workers)
         shards = assign_shards(specs, self.servers)
         self._layouts = [ShardLayout(shard) for shard in shards]
         by_name = dict(self._params)
@@ -162,6 +171,7 @@ class ParameterServerEngine(Engine):
                 "servers": self.servers,
                 "staleness": self.staleness,
                 "staleness_lr": self.staleness_lr,
+                "backup_workers": self.backup_workers,
                 "shards": [[s.to_json() for s in shard] for shard in shards],
                 "optimizer": describe_optimizer(optimizer, self.model),
             }
@@ -327,6 +337,7 @@ class ParameterServerEngine(Engine):
             "world_size": self._workers,
             "servers": self.servers,
             "staleness": self.staleness,
+            "backup_workers": self.backup_workers,
         }
 
     def wait_for_bound(self) -> None:
@@ -361,6 +372,7 @@ class ParameterServerEngine(Engine):
             "servers": self.servers,
             "staleness": self.staleness,
             "staleness_lr": self.staleness_lr,
+            "backup_workers": self.backup_workers,
             "mean_lr_factor": lead["mean_lr_factor"],
             "workers": self._workers,
             "pushes": {int(w): n for w, n in lead["pushes"].items()},

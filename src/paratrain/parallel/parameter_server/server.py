@@ -20,6 +20,9 @@ launch ended or its process died).
 
 Asynchronous pushes (``staleness`` >= 1 or None) are applied at a learning rate divided
 by their staleness unless the job asks for ``staleness_lr="constant"``; see ``stale_lr``.
+With ``backup_workers`` (synchronous only), a version closes on its first N - b fresh
+pushes and late pushes are folded into the open version at the same factor; see
+``backup``.
 
 A push that carries no gradient (the worker's fp16 gradients overflowed, so it has none
 worth sending) moves that worker's clock and changes nothing else. Under ``staleness=0``
@@ -51,6 +54,7 @@ from torch import nn
 from paratrain.checkpoint import Checkpoint, CheckpointError, write_shard
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.parallel.parameter_server import jobkeys
+from paratrain.parallel.parameter_server.backup import quorum
 from paratrain.parallel.parameter_server.optimizer_spec import build_optimizer
 from paratrain.parallel.parameter_server.protocol import (
     REPLY_DATA_TAG,
@@ -92,6 +96,8 @@ class ShardServer:
         self.book = StalenessBook(self.workers, spec["staleness"])
         self.synchronous = spec["staleness"] == 0
         self.staleness_lr = spec["staleness_lr"]
+        self.backup = spec.get("backup_workers", 0)
+        self._pushed_fresh_on: dict[int, int] = {}  # worker -> version of its last fresh push
         self.lock = threading.Condition()
         self.version = 0
         self.samples_applied = 0
@@ -100,7 +106,8 @@ class ShardServer:
         self._pending: list[torch.Tensor] | None = None
         self._pending_has_grad = [False] * len(self.ordered)
         self._pending_count = 0  # pushes of this round, skipped ones too
-        self._pending_carried = 0  # pushes of this round that carried a gradient
+        self._pending_weight = 0.0  # of the pushes of this round that carried a gradient
+        self._pending_fresh = 0  # pushes of this round computed on the open version
         self._pending_samples = 0
 
     # -- serving ----------------------------------------------------------------------------
@@ -202,10 +209,17 @@ class ShardServer:
 
     def _pull(self, worker: int) -> list[torch.Tensor]:
         """Current parameters, once the staleness bound lets ``worker`` start a step."""
-        while not (self.initialized and self.book.may_pull(worker)):
+        while not (self.initialized and self._may_pull(worker)):
             self.lock.wait(timeout=_POLL_S)
         flats = self.layout.pack(self.ordered)
         return [reply_header(version=self.version, samples=self.samples_applied), *flats]
+
+    def _may_pull(self, worker: int) -> bool:
+        """The staleness bound; with backup workers, the version this worker last pushed
+        fresh on must have closed (see ``backup``)."""
+        if self.backup:
+            return self.version > self._pushed_fresh_on.get(worker, -1)
+        return self.book.may_pull(worker)
 
     def _push(
         self, worker: int, grads, has_grad: Sequence[bool], pulled: int, samples: int
@@ -213,39 +227,52 @@ class ShardServer:
         """Apply (or, synchronously, add up) one push; ``grads`` None: it carried none."""
         staleness = self.version - pulled
         self.book.record_push(worker, staleness, skipped=grads is None)
+        factor = lr_factor(self.staleness_lr, staleness)
         if not self.synchronous:
             if grads is not None:
-                with scaled_learning_rate(self.optimizer, lr_factor(self.staleness_lr, staleness)):
+                with scaled_learning_rate(self.optimizer, factor):
                     self._apply(self.layout.views(grads), has_grad, samples)
             return
         self._pending_count += 1
+        if not self.backup:
+            factor = 1.0  # every worker's push belongs to this round, whatever it pulled
+        elif staleness <= 0:  # only backup workers' pushes can be late; see ``backup``
+            self._pending_fresh += 1
+            self._pushed_fresh_on[worker] = pulled
         if grads is not None:
             if self._pending is None:
-                self._pending = [g.clone() for g in grads]
+                self._pending = [g * factor if factor != 1.0 else g.clone() for g in grads]
             else:
                 for total, grad in zip(self._pending, grads, strict=True):
-                    total.add_(grad)
+                    total.add_(grad, alpha=factor)
             self._pending_has_grad = [
                 a or b for a, b in zip(self._pending_has_grad, has_grad, strict=True)
             ]
-            self._pending_carried += 1
+            self._pending_weight += factor
             self._pending_samples += samples
         self._apply_if_complete()
 
+    def _round_complete(self) -> bool:
+        """Every live worker pushed; with backup workers, a quorum of fresh pushes."""
+        if self.backup:
+            live = len(self.book.live)
+            return not live or self._pending_fresh >= quorum(live, self.backup)
+        return self.book.everyone_pushed(self.version + 1)
+
     def _apply_if_complete(self) -> None:
-        """Synchronous mode: once every live worker pushed, one step with the mean of the
-        gradients carried (none, and so no step, when every push of the round was skipped)."""
-        if self._pending_count == 0 or not self.book.everyone_pushed(self.version + 1):
+        """Synchronous mode: once the round is complete, one step with the (weighted) mean
+        of the gradients carried (none, and so no step, when every push was skipped)."""
+        if self._pending_count == 0 or not self._round_complete():
             return
         if self._pending is None:
             self._advance(0)
         else:
             for total in self._pending:
-                total.div_(self._pending_carried)
+                total.div_(self._pending_weight)
             grads = self.layout.views(self._pending)
             self._apply(grads, self._pending_has_grad, self._pending_samples)
         self._pending, self._pending_count, self._pending_samples = None, 0, 0
-        self._pending_carried = 0
+        self._pending_weight, self._pending_fresh = 0.0, 0
         self._pending_has_grad = [False] * len(self.ordered)
 
     def _apply(self, grads, has_grad: Sequence[bool], samples: int) -> None:
@@ -319,7 +346,9 @@ class ShardServer:
             "samples_applied": self.samples_applied,
             "parameter_bytes": self.layout.nbytes,
             "staleness_lr": self.staleness_lr,
-            # Synchronous pushes are all fresh (staleness 0), so their factor is 1 as applied.
+            "backup_workers": self.backup,
+            # Synchronous pushes are fresh (factor 1) but for backup workers' late ones,
+            # which are weighted by the same factor, so the mean is right in every mode.
             "mean_lr_factor": factors / sum(applied.values()) if applied else 1.0,
             **self.book.summary(),
         }
