@@ -48,6 +48,22 @@ def test_layout_packs_mixed_dtypes_and_missing_gradients():
     views = layout.views(flats)
     assert torch.equal(views[0], a) and torch.equal(views[1], b)
     assert torch.equal(views[2], torch.zeros(5))
+    reused = [torch.full_like(f, float("nan")) for f in flats]  # last step's leftovers
+    again = layout.pack([None, b, a.reshape(-1)[:5]], out=reused)
+    assert all(x is y for x, y in zip(again, reused, strict=True)), "packed into ``out``"
+    views = layout.views(again)
+    assert torch.equal(views[0], torch.zeros(2, 3)) and torch.equal(views[1], b)
+    assert torch.equal(views[2], a.reshape(-1)[:5])
+
+
+def test_a_pull_sees_parameters_set_at_the_same_version():
+    from paratrain.parallel.parameter_server.protocol import Op, request_header
+    from tests.test_ps_precision import shard_server
+
+    server = shard_server(staleness=None)
+    assert server._pull(0)[1].tolist() == [0.0] * 3  # packed once for version 0
+    server._process(0, Op.SET, request_header(Op.SET, flags=1), [torch.ones(3)])
+    assert server.version == 0 and server._pull(1)[1].tolist() == [1.0] * 3
 
 
 def test_bound_holds_back_only_the_worker_ahead_and_a_lost_worker_stops_counting():

@@ -30,6 +30,7 @@ from paratrain.parallel.batching import (
     check_divisible,
     split_micro,
 )
+from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import recomputing_forward
@@ -111,7 +112,8 @@ class DataParallelEngine(ReplicaShare, Engine):
             )
         self.recompute = recompute
         self._forward = recomputing_forward(self.model) if recompute else self.model
-        self.optimizer = optimizer(self.model.parameters())
+        # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
+        self.optimizer = with_fused_kernel(optimizer(self.model.parameters()))
         self.memory.watch(
             self.model.parameters(),
             model_state=self.model_state_bytes,

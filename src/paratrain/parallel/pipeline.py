@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, take_share
 from paratrain.parallel.data_parallel import require_process_group
+from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, layer_list
@@ -156,7 +157,8 @@ class PipelineEngine(RecordsTimeline, Engine):
             )
         # A stage may hold only parameter-free layers (an activation, a reshape).
         trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = optimizer(trainable) if trainable else None
+        # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
+        self.optimizer = with_fused_kernel(optimizer(trainable)) if trainable else None
         self.link = StageLink(
             self._device,
             prev_rank=None if self.mesh.is_first else self.mesh.prev_rank,

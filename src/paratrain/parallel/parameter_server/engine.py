@@ -189,6 +189,9 @@ class ParameterServerEngine(Engine):
             prefix=self._prefix,
         )
         self._versions = [0] * self.servers
+        # Reused every step (a request returns only once gloo is done with its buffers).
+        self._pull_buffers = [layout.empty() for layout in self._layouts]
+        self._push_buffers = [layout.empty() for layout in self._layouts]
         self.server_samples = 0
         """Samples whose gradients server 0 had applied at this worker's last push."""
         self._closed = False
@@ -247,7 +250,7 @@ class ParameterServerEngine(Engine):
     def _pull(self) -> None:
         """Copy the servers' current parameters into this worker's model, once the
         staleness bound lets this worker start its next step."""
-        buffers = [layout.empty() for layout in self._layouts]
+        buffers = self._pull_buffers
         replies = self.link.request(Op.PULL, clock=self.steps_taken, reply_payloads=buffers)
         with torch.no_grad():
             for s, (header, flats) in enumerate(replies):
@@ -261,7 +264,10 @@ class ParameterServerEngine(Engine):
         grads = [[p.grad for p in shard] for shard in self._shard_params]
         payloads = None
         if not skipped:
-            payloads = [layout.pack(g) for layout, g in zip(self._layouts, grads, strict=True)]
+            payloads = [
+                layout.pack(g, out=out)
+                for layout, g, out in zip(self._layouts, grads, self._push_buffers, strict=True)
+            ]
         replies = self.link.request(
             Op.PUSH,
             payloads=payloads,

@@ -7,19 +7,14 @@ hyperparameters with the names of its parameters. A server rebuilds the class ov
 parameters it holds, group by group. JSON only (never a pickle); floats survive JSON
 exactly, so the rebuilt optimizer takes the same steps.
 
-One choice is the server's own: where the user left the implementation to torch (``fused``
-and ``foreach`` both None) and torch has a fused CPU kernel for the class (SGD, Adam,
-AdamW, Adagrad), the server builds the fused one. torch's own default on CPU is the
-per-tensor loop, which on the quick-start gpt takes 4 ms per Adam step against 1 ms
-fused; a server takes one step per push, under its lock, so that is time every worker
-waits. The update is the same function (its results agree to float rounding, and the
-synchronous parity tests hold at 1e-5); a user who names an implementation gets it.
+One choice is the server's own: where the user left the implementation to torch, the
+server builds the fused CPU kernel (see ``paratrain.parallel.fused_optim``); a server
+takes one step per push, under its lock, so a slow step is time every worker waits.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import math
 from collections.abc import Callable
@@ -27,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from paratrain.parallel.fused_optim import construct, fuse_where_left_to_torch
 
 _NOT_DESCRIBABLE = (
     "strategy 'ps' rebuilds the optimizer in its server processes from its class and "
@@ -84,17 +81,6 @@ def describe_optimizer(
     return description
 
 
-_FUSED_ON_CPU = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
-
-
-def _implementation_left_to_torch(hyper: dict[str, Any]) -> bool:
-    return (
-        hyper.get("fused") is None
-        and hyper.get("foreach") is None
-        and not hyper.get("differentiable", False)
-    )
-
-
 def build_optimizer(
     description: dict[str, Any], params: dict[str, nn.Parameter]
 ) -> torch.optim.Optimizer:
@@ -111,16 +97,5 @@ def build_optimizer(
             hyper = {k: _restore(v) for k, v in group["hyper"].items()}
             groups.append({"params": mine, **hyper})
     defaults = {k: _restore(v) for k, v in description["defaults"].items()}
-    fuse = cls in _FUSED_ON_CPU and all(
-        _implementation_left_to_torch(h) for h in [defaults, *groups]
-    )
-    if fuse:
-        defaults["fused"] = True
-        for group in groups:
-            group["fused"] = True
-    # A subclass may fix a default its constructor does not take (AdamW's
-    # decoupled_weight_decay); each group carries every value anyway.
-    accepted = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        defaults = {k: v for k, v in defaults.items() if k in accepted}
-    return cls(groups, **defaults)
+    fuse_where_left_to_torch(cls, defaults, groups)
+    return construct(cls, groups, defaults)

@@ -80,13 +80,24 @@ class ShardLayout:
         """Receive buffers for one packed message."""
         return [torch.empty(n, dtype=d) for n, d in zip(self.sizes, self.dtypes, strict=True)]
 
-    def pack(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Flat CPU copies, in spec order; a ``None`` (no gradient) packs as zeros."""
-        flats = [torch.zeros(n, dtype=d) for n, d in zip(self.sizes, self.dtypes, strict=True)]
+    def pack(
+        self, tensors: Sequence[torch.Tensor | None], out: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """Flat CPU copies, in spec order; a ``None`` (no gradient) packs as zeros.
+
+        ``out`` (from :meth:`empty`) is filled and returned instead of new tensors: a
+        worker packs every step, and reusing one buffer spares a fresh allocation of the
+        whole shard each time.
+        """
+        if out is None:
+            out = self.empty()
         for spec, (kind, offset), tensor in zip(self.specs, self._slots, tensors, strict=True):
-            if tensor is not None:
-                flats[kind][offset : offset + spec.numel].copy_(tensor.detach().reshape(-1))
-        return flats
+            slot = out[kind][offset : offset + spec.numel]
+            if tensor is None:
+                slot.zero_()
+            else:
+                slot.copy_(tensor.detach().reshape(-1))
+        return out
 
     def views(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each parameter's view into received flat tensors, shaped, in spec order."""

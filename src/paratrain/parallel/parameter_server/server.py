@@ -104,6 +104,7 @@ class ShardServer:
         self.initialized = False
         self.group = None
         self._pending: list[torch.Tensor] | None = None
+        self._packed: tuple[int, list[torch.Tensor]] | None = None  # (version, flat params)
         self._pending_has_grad = [False] * len(self.ordered)
         self._pending_count = 0  # pushes of this round, skipped ones too
         self._pending_weight = 0.0  # of the pushes of this round that carried a gradient
@@ -130,6 +131,9 @@ class ShardServer:
 
     def _serve(self, worker: int) -> None:
         header = torch.empty(REQUEST_FIELDS + len(self.ordered), dtype=torch.float64)
+        # This worker's pushes land here: each is used up (applied, or added into the
+        # round's sum) under the lock before this thread receives the next one.
+        grad_buffers = self.layout.empty()
         while True:
             try:
                 wait_all(post_recv(self.group, [header], worker, REQUEST_TAG), None)
@@ -137,7 +141,7 @@ class ShardServer:
                 if op is Op.BYE:
                     self._retire(worker, lost=None)
                     return
-                payload = self._receive_payload(worker, op, header)
+                payload = self._receive_payload(worker, op, header, grad_buffers)
             except RuntimeError as error:  # the connection closed: the worker died
                 self._retire(worker, lost=_first_line(error))
                 return
@@ -158,8 +162,12 @@ class ShardServer:
                 self._retire(worker, lost=_first_line(error))
                 return
 
-    def _receive_payload(self, worker: int, op: Op, header: torch.Tensor) -> list[torch.Tensor]:
-        if op is Op.SET or (op is Op.PUSH and not _skipped(header)):
+    def _receive_payload(
+        self, worker: int, op: Op, header: torch.Tensor, grad_buffers: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if op is Op.PUSH and not _skipped(header):
+            buffers = grad_buffers
+        elif op is Op.SET:
             buffers = self.layout.empty()
         elif op in (Op.SAVE, Op.LOAD):
             buffers = [torch.empty(int(header[5]), dtype=torch.uint8)]
@@ -191,6 +199,7 @@ class ShardServer:
                     for param, value in zip(self.ordered, self.layout.views(payload), strict=True):
                         param.copy_(value)
                 self.initialized = True
+                self._packed = None
                 self.lock.notify_all()
                 return [reply_header(version=self.version)]
             if op is Op.SAVE:
@@ -211,7 +220,11 @@ class ShardServer:
         """Current parameters, once the staleness bound lets ``worker`` start a step."""
         while not (self.initialized and self._may_pull(worker)):
             self.lock.wait(timeout=_POLL_S)
-        flats = self.layout.pack(self.ordered)
+        if self._packed is None or self._packed[0] != self.version:
+            # One copy per version, shared by every pull of it (sends only read it); a new
+            # version gets a new tensor, as an earlier one may still be on its way out.
+            self._packed = (self.version, self.layout.pack(self.ordered))
+        flats = self._packed[1]
         return [reply_header(version=self.version, samples=self.samples_applied), *flats]
 
     def _may_pull(self, worker: int) -> bool:
@@ -320,6 +333,7 @@ class ShardServer:
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(checkpoint.tensor("model", name))
+        self._packed = None
         meta = checkpoint.manifest.get("optimizer")
         if meta:
             state_keys: dict[str, list[str]] = {}
