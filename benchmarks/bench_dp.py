@@ -11,6 +11,12 @@ paratrain hands to all-reduce per step per worker next to the ring optimum
     python benchmarks/bench_dp.py                 # full table
     python benchmarks/bench_dp.py --quick         # one short launch each, for a smoke run
     python benchmarks/bench_dp.py --json out.json # also write the figures
+    python benchmarks/bench_dp.py --kernel fused  # every side on the fused Adam kernel
+
+Optimizer kernel: by default every side gets ``Adam(params, lr=1e-4)`` as a user writes it;
+plain PyTorch and DDP then run torch's CPU default (the per-tensor loop) and paratrain takes
+the fused kernel (``paratrain.parallel.fused_optim``). ``--kernel fused`` asks every side for
+``fused=True``, which compares the engines alone.
 """
 
 from __future__ import annotations
@@ -64,8 +70,12 @@ def fresh_model(name: str) -> torch.nn.Module:
     return build_model(name, **MODELS[name]["options"])
 
 
+KERNELS = {"default": None, "fused": True}
+_kernel = {"fused": None}  # set in each worker by bench_worker
+
+
 def adam(params):
-    return torch.optim.Adam(params, lr=1e-4)
+    return torch.optim.Adam(params, lr=1e-4, fused=_kernel["fused"])
 
 
 class PlainRunner:
@@ -113,8 +123,11 @@ class ParatrainRunner:
         self.comm_bytes = self.engine.train_step(x, y).comm_bytes
 
 
-def bench_worker(name: str, rounds: int, steps: int, warmup: int, options: dict) -> dict:
+def bench_worker(
+    name: str, rounds: int, steps: int, warmup: int, options: dict, kernel: str = "default"
+) -> dict:
     """Alternate the runners round by round; every rank times every step."""
+    _kernel["fused"] = KERNELS[kernel]
     ours = ParatrainRunner(name, options)
     runners = {"ddp": DDPRunner(name), "paratrain": ours}
     if dist.get_world_size() == 1:
@@ -129,10 +142,12 @@ def bench_worker(name: str, rounds: int, steps: int, warmup: int, options: dict)
     }
 
 
-def measure(name: str, workers: int, rounds: int, steps: int, options: dict) -> dict:
+def measure(
+    name: str, workers: int, rounds: int, steps: int, options: dict, kernel: str = "default"
+) -> dict:
     """One launch: per-runner median step time (max over ranks: a step ends with the slowest)."""
     results = paratrain.launch(
-        bench_worker, devices=workers, args=(name, rounds, steps, 3, options)
+        bench_worker, devices=workers, args=(name, rounds, steps, 3, options, kernel)
     )
     return {
         "median": slowest_rank([r["median_s"] for r in results]),
@@ -148,12 +163,13 @@ def run(
     steps: int,
     options: dict,
     repeats: int,
+    kernel: str = "default",
 ) -> list[dict]:
     """Each configuration is launched ``repeats`` times; figures are medians over launches."""
     rows = []
     for name in models:
         for workers in worker_counts:
-            runs = [measure(name, workers, rounds, steps, options) for _ in range(repeats)]
+            runs = [measure(name, workers, rounds, steps, options, kernel) for _ in range(repeats)]
             median, over_ddp = over_launches(
                 [r["median"] for r in runs], ours="paratrain", peer="ddp"
             )
@@ -214,12 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 launch of 2 rounds x 4 steps")
     parser.add_argument("--bucket-mb", type=float, default=None, help="paratrain dp option")
     parser.add_argument("--first-bucket-mb", type=float, default=None, help="paratrain dp option")
+    parser.add_argument(
+        "--kernel",
+        choices=list(KERNELS),
+        default="default",
+        help="default: Adam as a user writes it; fused: every side asks for fused=True",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
     rounds, steps, repeats = (2, 4, 1) if args.quick else (args.rounds, args.steps, args.repeats)
     print(
         f"torch {torch.__version__}, {repeats} launch(es) x {rounds} rounds x {steps} steps; "
-        "step times are medians over steps, then over launches"
+        f"Adam kernel: {args.kernel}; step times are medians over steps, then over launches"
     )
     print(HEADER, flush=True)
     options = {
@@ -227,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in (("bucket_mb", args.bucket_mb), ("first_bucket_mb", args.first_bucket_mb))
         if value is not None
     }
-    rows = run(args.models, args.workers, rounds, steps, options, repeats)
+    rows = run(args.models, args.workers, rounds, steps, options, repeats, args.kernel)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -21,6 +22,15 @@ def test_bench_dp_counts_exactly_the_gradient_bytes_plus_the_loss_slot(monkeypat
     gradient_bytes = row["ring_optimum_bytes"] / (2 * (2 - 1) / 2)
     assert row["allreduce_payload_bytes"] == gradient_bytes + 4  # one fp32 loss slot
     assert "| gpt | 2 |" in bench.format_row(row)
+
+
+def test_bench_dp_kernel_choice_reaches_every_sides_optimizer(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_dp")
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for kernel, fused in bench.KERNELS.items():
+        monkeypatch.setitem(bench._kernel, "fused", fused)
+        assert bench.adam(params).defaults["fused"] is fused, kernel
 
 
 @pytest.mark.slow

@@ -39,6 +39,29 @@ def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_backup_worker_run_with_two_servers_evaluates_and_checkpoints(tmp_path, capsys):
+    run_dir = tmp_path / "backup"
+    code, out, err = run_cli(
+        capsys,
+        *("--strategy", "ps", "--staleness", "0", "--backup-workers", "1"),
+        *("--servers", "2", "--devices", "3", "--straggler", "1:3"),
+        *MLP,
+        *("--steps", "10", "--global-batch", "24", "--eval-every", "5"),
+        *("--checkpoint-every", "5", "--run-dir", str(run_dir)),
+    )
+    assert code == 0, err
+    assert "staleness bound 0 (synchronous) with 1 backup worker(s)" in out
+    assert "final eval loss" in out
+    assert Path(run_dir / "checkpoints" / "step-00000005").exists()
+    summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+    assert summary["ps"]["backup_workers"] == 1
+    assert sum(summary["ps"]["pushes"].values()) == 3 * 10
+    assert summary["ps"]["samples_applied"] == 24 * 10, "late pushes are applied, not lost"
+    state = load_model_state(run_dir / "final")
+    build_model("mlp", in_features=784, hidden=32, depth=1, classes=10).load_state_dict(state)
+
+
+@pytest.mark.slow
 def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:4")
     run_dir = tmp_path / "mlp"

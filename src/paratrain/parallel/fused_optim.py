@@ -12,7 +12,8 @@ Only for exactly these classes (a subclass may override ``step``), only where ev
 parameter lives on the CPU (CUDA defaults are already vectorized), and only on an optimizer
 that has not stepped yet (engines apply it to what the user's factory just returned).
 The single-device engine keeps the user's optimizer as built: it is the reference that the
-parity tests hold every other engine to.
+parity tests hold every other engine to. A rebuilt optimizer is a new object, so code that
+needs it (a learning-rate scheduler) takes ``engine.optimizer``, not what the factory made.
 """
 
 from __future__ import annotations
