@@ -102,6 +102,7 @@ class ShardServer:
         self.version = 0
         self.samples_applied = 0
         self.initialized = False
+        self.seeded = False  # worker 0's initial SET arrived; see _load
         self.group = None
         self._pending: list[torch.Tensor] | None = None
         self._packed: tuple[int, list[torch.Tensor]] | None = None  # (version, flat params)
@@ -198,7 +199,7 @@ class ShardServer:
                 with torch.no_grad():
                     for param, value in zip(self.ordered, self.layout.views(payload), strict=True):
                         param.copy_(value)
-                self.initialized = True
+                self.initialized = self.seeded = True
                 self._packed = None
                 self.lock.notify_all()
                 return [reply_header(version=self.version)]
@@ -322,6 +323,11 @@ class ShardServer:
 
     def _load(self, request: dict) -> dict:
         """Take this shard's parameters and optimizer state, by name, from a checkpoint."""
+        # Worker 0 seeds every server with its initial parameters while it builds its
+        # engine, and whichever worker loads first may be another one: a load that
+        # overtook that SET would be overwritten by it, so it waits for it.
+        while not self.seeded:
+            self.lock.wait(timeout=_POLL_S)
         checkpoint = Checkpoint(request["path"])
         saved = set(checkpoint.names("model"))
         missing = sorted(set(self.params) - saved)
