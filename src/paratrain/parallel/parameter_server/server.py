@@ -241,16 +241,17 @@ class ShardServer:
         """Apply (or, synchronously, add up) one push; ``grads`` None: it carried none."""
         staleness = self.version - pulled
         self.book.record_push(worker, staleness, skipped=grads is None)
-        factor = lr_factor(self.staleness_lr, staleness)
         if not self.synchronous:
             if grads is not None:
+                factor = lr_factor(self.staleness_lr, staleness)
                 with scaled_learning_rate(self.optimizer, factor):
                     self._apply(self.layout.views(grads), has_grad, samples)
             return
         self._pending_count += 1
-        if not self.backup:
-            factor = 1.0  # every worker's push belongs to this round, whatever it pulled
-        elif staleness <= 0:  # only backup workers' pushes can be late; see ``backup``
+        # Plain rounds weigh every push alike; with backup workers a late push (the only
+        # kind that can be stale) weighs its staleness-aware factor, a fresh one 1.
+        factor = lr_factor(self.staleness_lr, staleness) if self.backup else 1.0
+        if self.backup and staleness <= 0:
             self._pending_fresh += 1
             self._pushed_fresh_on[worker] = pulled
         if grads is not None:
