@@ -15,6 +15,17 @@ from tests.test_cli_train import SHARED_DATA, run_cli
 MLP = ["--model", "mlp", "--dataset", "synthetic", "--hidden", "32", "--depth", "1"]
 
 
+def run_summary(run_dir: Path) -> dict:
+    """The closing summary record of a run's metrics file."""
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+
+
+def load_final_mlp(run_dir: Path) -> None:
+    """The final checkpoint loads into the ``MLP`` model the run trained."""
+    state = load_model_state(run_dir / "final")
+    build_model("mlp", in_features=784, hidden=32, depth=1, classes=10).load_state_dict(state)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data (tinyshakespeare) is absent")
 def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
@@ -32,7 +43,7 @@ def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
     assert "servers           1, staleness bound 2, lr / staleness (mean factor" in out
     assert "pushes/s          worker 0:" in out and "worker 3:" in out
     assert "push staleness" in out and "sample:" in out
-    summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+    summary = run_summary(run_dir)
     assert sum(summary["ps"]["pushes"].values()) == 4 * 12
     assert sum(summary["ps"]["staleness_histogram"].values()) == 4 * 12
     assert read_manifest(run_dir / "final")["layout"]["strategy"] == "ps"
@@ -53,12 +64,11 @@ def test_backup_worker_run_with_two_servers_evaluates_and_checkpoints(tmp_path, 
     assert "staleness bound 0 (synchronous) with 1 backup worker(s)" in out
     assert "final eval loss" in out
     assert Path(run_dir / "checkpoints" / "step-00000005").exists()
-    summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+    summary = run_summary(run_dir)
     assert summary["ps"]["backup_workers"] == 1
     assert sum(summary["ps"]["pushes"].values()) == 3 * 10
     assert summary["ps"]["samples_applied"] == 24 * 10, "late pushes are applied, not lost"
-    state = load_model_state(run_dir / "final")
-    build_model("mlp", in_features=784, hidden=32, depth=1, classes=10).load_state_dict(state)
+    load_final_mlp(run_dir)
 
 
 @pytest.mark.slow
@@ -76,10 +86,9 @@ def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
     assert "staleness bound none (asynchronous)" in out
     assert "lost worker       1: worker process 1 was killed by signal SIGKILL" in out
     assert "final eval loss" in out
-    state = load_model_state(run_dir / "final")
-    build_model("mlp", in_features=784, hidden=32, depth=1, classes=10).load_state_dict(state)
+    load_final_mlp(run_dir)
     assert Path(run_dir / "checkpoints" / "step-00000005").exists()
-    summary = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][0]
+    summary = run_summary(run_dir)
     assert summary["ps"]["pushes"]["1"] == 3 and summary["ps"]["pushes"]["0"] == 10
     assert list(summary["ps"]["lost_workers"]) == ["1"]
 
