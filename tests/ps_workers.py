@@ -15,13 +15,14 @@ from paratrain.models import build_model, loss_for
 from tests import workers
 
 
-def ps_parity_worker(cases: list[tuple[tuple, dict]]) -> list[tuple[dict, list[float]]]:
-    """Each (parity case, ps options) for 10 steps: the final state and this share's losses."""
+def ps_parity_worker(cases: list[tuple[tuple, dict]]) -> list[tuple[dict, list[float], str]]:
+    """Each (parity case, ps options) for 10 steps: the final state, this share's losses and
+    the transport the engine used."""
     results = []
     for case, options in cases:
         engine = workers.parity_engine("ps", *case, **options)
         losses = [engine.train_step(x, y).loss for x, y in workers.parity_batches(case[0])]
-        results.append((engine.state_dict(), losses))
+        results.append((engine.state_dict(), losses, engine.layout()["transport"]))
         engine.close()
     return results
 

@@ -9,6 +9,7 @@ import pytest
 from paratrain.checkpoint import load_model_state, read_manifest
 from paratrain.cli import _ps_lines
 from paratrain.models import build_model
+from paratrain.parallel.parameter_server.shared_memory import resolve_transport
 from paratrain.report import read_metrics
 from tests.test_cli_train import SHARED_DATA, run_cli
 
@@ -40,7 +41,9 @@ def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
     )
     assert code == 0, err
     assert "strategy ps, 4 worker(s), 12 steps, global batch 16" in out
-    assert "servers           1, staleness bound 2, lr / staleness (mean factor" in out
+    transport = resolve_transport("auto").replace("_", " ")
+    said = f"servers           1 ({transport}), staleness bound 2, lr / staleness (mean factor"
+    assert said in out
     assert "pushes/s          worker 0:" in out and "worker 3:" in out
     assert "push staleness" in out and "sample:" in out
     summary = run_summary(run_dir)
@@ -55,7 +58,7 @@ def test_backup_worker_run_with_two_servers_evaluates_and_checkpoints(tmp_path, 
     code, out, err = run_cli(
         capsys,
         *("--strategy", "ps", "--staleness", "0", "--backup-workers", "1"),
-        *("--servers", "2", "--devices", "3", "--straggler", "1:3"),
+        *("--servers", "2", "--devices", "3", "--straggler", "1:3", "--transport", "gloo"),
         *MLP,
         *("--steps", "10", "--global-batch", "24", "--eval-every", "5"),
         *("--checkpoint-every", "5", "--run-dir", str(run_dir)),
@@ -66,6 +69,7 @@ def test_backup_worker_run_with_two_servers_evaluates_and_checkpoints(tmp_path, 
     assert Path(run_dir / "checkpoints" / "step-00000005").exists()
     summary = run_summary(run_dir)
     assert summary["ps"]["backup_workers"] == 1
+    assert summary["ps"]["transport"] == "gloo"
     assert sum(summary["ps"]["pushes"].values()) == 3 * 10
     assert summary["ps"]["samples_applied"] == 24 * 10, "late pushes are applied, not lost"
     load_final_mlp(run_dir)
@@ -106,6 +110,8 @@ def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
         (["--strategy", "dp", "--backup-workers", "1"], "--backup-workers is a ps option"),
         (["--strategy", "ps", "--devices", "2", "--backup-workers", "2"], "less than the number"),
         (["--strategy", "ps", "--backup-workers", "-1"], "backup_workers must be at least 0"),
+        (["--strategy", "dp", "--transport", "gloo"], "--transport is a ps option"),
+        (["--strategy", "ps", "--transport", "tcp"], "transport must be one of auto, shared_me"),
     ],
 )
 def test_bad_ps_settings_are_refused_before_any_worker_starts(tmp_path, capsys, args, message):
@@ -120,6 +126,7 @@ def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():
         "staleness": 0,
         "backup_workers": 1,
         "staleness_lr": "inverse",
+        "transport": "shared_memory",
         "mean_lr_factor": 0.8,
         "pushes_per_s": {0: 3.0, 1: 1.0},
         "staleness_histogram": {0: 9, 3: 2},
@@ -127,5 +134,6 @@ def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():
     lines = _ps_lines({"ps": ps})
     said = "staleness bound 0 (synchronous) with 1 backup worker(s): late pushes fold in"
     assert said in lines[0]
+    assert "servers           1 (shared memory)" in lines[0]
     assert "lr / staleness (mean factor 0.80)" in lines[0]
     assert "0: 9, 3: 2" in lines[2]

@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 
 import paratrain
+from paratrain.parallel.parameter_server.shared_memory import (
+    NAME_PREFIX,
+    SHARED_DIR,
+    resolve_transport,
+)
 from tests import ps_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 CASES = {
     1: [(("mlp", "adam", 1), {"staleness": 0})],
-    2: [(("mlp", "sgd", 1), {"staleness": 0}), (("gpt", "adam", 2), {"servers": 2})],
+    2: [
+        (("mlp", "sgd", 1), {"staleness": 0}),
+        (("gpt", "adam", 2), {"servers": 2}),
+        # The default transport is shared memory on this host; gloo carries whole tensors.
+        (("mlp", "adam", 1), {"staleness": 0, "transport": "gloo"}),
+    ],
     4: [(("gpt", "sgd", 1), {"staleness": 0, "servers": 3})],
 }
 
@@ -23,11 +33,15 @@ def test_synchronous_ps_matches_single_device(devices):
     for index, (case, options) in enumerate(cases):
         reference, reference_losses = workers.train_with("single", *case)
         for rank, rank_results in enumerate(results):
-            state, _ = rank_results[index]
+            state, _, transport = rank_results[index]
+            assert transport == options.get("transport", resolve_transport("auto"))
             error = relative_error(state, reference)
             assert error <= TOLERANCE, f"{case} {options} worker {rank}: relative error {error:.2e}"
         # Each worker reports its share's loss; equal shares average to the global batch's.
         per_step = [sum(r[index][1][step] for r in results) / devices for step in range(10)]
         assert per_step == pytest.approx(reference_losses, rel=1e-5), case
+    if SHARED_DIR.is_dir():
+        left = [p.name for p in SHARED_DIR.iterdir() if p.name.startswith(NAME_PREFIX)]
+        assert not left, f"shared-memory files left behind: {left}"
     initial = workers.parity_model(cases[0][0][0]).state_dict()
     assert relative_error(results[0][0][0], initial) > 1e-2, "the parameters never changed"

@@ -81,12 +81,13 @@ def _ps_lines(extra: dict) -> list[str]:
     rates = ", ".join(f"worker {w}: {r:.1f}" for w, r in sorted(ps["pushes_per_s"].items()))
     histogram = ", ".join(f"{s}: {n}" for s, n in sorted(ps["staleness_histogram"].items()))
     backup = ps.get("backup_workers", 0)
+    transport = ps.get("transport", "gloo").replace("_", " ")
     if backup:
         bound = f"{bound} (synchronous) with {backup} backup worker(s): late pushes fold in"
     if ps.get("staleness_lr") == "inverse" and (ps["staleness"] != 0 or backup):
         bound = f"{bound}, lr / staleness (mean factor {ps['mean_lr_factor']:.2f})"
     lines = [
-        f"  servers           {ps['servers']}, staleness bound {bound}",
+        f"  servers           {ps['servers']} ({transport}), staleness bound {bound}",
         f"  pushes/s          {rates}",
         f"  push staleness    {histogram} (applied pushes by versions behind)",
     ]

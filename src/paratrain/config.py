@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from paratrain.parallel.parameter_server.shared_memory import TRANSPORTS as PS_TRANSPORTS
 from paratrain.parallel.parameter_server.stale_lr import POLICIES as STALENESS_LR_POLICIES
 from paratrain.parallel.precision import PRECISIONS
 from paratrain.runtime.units import parse_size
@@ -106,6 +107,13 @@ class TrainConfig:
             "workers' pushes; later ones fold into the next (no waiting for stragglers)"
         },
     )
+    transport: str = field(
+        default="auto",
+        metadata={
+            "help": "ps: how pushes and pulls travel: auto (shared memory where the host has "
+            "/dev/shm, else gloo), shared_memory or gloo"
+        },
+    )
     straggler: str | None = field(
         default=None,
         metadata={"help": "RANK:SLOWDOWN, e.g. 1:3 makes worker 1 three times slower (ps)"},
@@ -169,6 +177,10 @@ class TrainConfig:
             raise ConfigError(
                 f"staleness_lr must be {' or '.join(STALENESS_LR_POLICIES)}, not "
                 f"{self.staleness_lr!r}."
+            )
+        if self.transport not in PS_TRANSPORTS:
+            raise ConfigError(
+                f"transport must be one of {', '.join(PS_TRANSPORTS)}, not {self.transport!r}."
             )
         self.straggler_setting()
         if self.optimizer not in ("sgd", "adam", "adamw"):

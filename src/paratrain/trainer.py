@@ -54,7 +54,7 @@ _STRATEGY_OPTIONS = {
     "single": ("recompute",),
     "dp": ("bucket_mb", "recompute"),
     "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
-    "ps": ("servers", "staleness", "staleness_lr", "backup_workers"),
+    "ps": ("servers", "staleness", "staleness_lr", "backup_workers", "transport"),
     "zero1": ("bucket_mb", "recompute"),
     "zero2": ("bucket_mb", "recompute"),
     "zero3": ("recompute",),
@@ -136,6 +136,8 @@ def check_ps(config: TrainConfig, devices: int) -> None:
         raise ConfigError(
             "--backup-workers is a ps option; pass --strategy ps or drop --backup-workers."
         )
+    if config.transport != "auto" and config.strategy != "ps":
+        raise ConfigError("--transport is a ps option; pass --strategy ps or drop --transport.")
     if config.strategy == "ps":
         try:
             check_backup_workers(config.backup_workers, config.staleness, devices)

@@ -8,6 +8,9 @@ backup.py         synchronous rounds that need only the first N - b pushes
 sharding.py       parameters over servers, greedily by bytes (pure)
 optimizer_spec.py the user's optimizer described as JSON and rebuilt in a server
 protocol.py       message headers and packing over gloo point-to-point
+shared_memory.py  regions a worker and its servers both map (same host): the tensors
+                  of pushes and pulls, with only headers over gloo
+worker_buffers.py a worker's parameters and gradients: copied (gloo) or in place (mapped)
 client.py         a worker's requests to all servers, bounded waits, clear errors
 spawn.py          starting servers, waiting for them, the workers-plus-servers group
 jobkeys.py        the few facts shared through the launch store

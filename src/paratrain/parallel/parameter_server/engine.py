@@ -57,8 +57,10 @@ from paratrain.parallel.parameter_server.client import ServerLink
 from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
 from paratrain.parallel.parameter_server.protocol import Op, ShardLayout
 from paratrain.parallel.parameter_server.sharding import ParamSpec, assign_shards, check_servers
+from paratrain.parallel.parameter_server.shared_memory import SharedRegion, resolve_transport
 from paratrain.parallel.parameter_server.stale_lr import check_policy
 from paratrain.parallel.parameter_server.staleness import check_bound
+from paratrain.parallel.parameter_server.worker_buffers import CopiedBuffers, MappedBuffers
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
@@ -112,7 +114,9 @@ class ParameterServerEngine(Engine):
     fresh pushes, late pushes are folded into the next at the ``staleness_lr`` factor; see
     ``backup``),
     ``straggler`` (``{"rank": r, "slowdown": s}``: worker r sleeps (s - 1) times its
-    compute time each step; for tests and benchmarks), ``timeout_s`` (the longest any
+    compute time each step; for tests and benchmarks), ``transport`` ("auto", the default:
+    "shared_memory" where the host has ``/dev/shm``, else "gloo"; how pushed gradients and
+    pulled parameters travel, see ``shared_memory``), ``timeout_s`` (the longest any
     wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
     """
 
@@ -133,6 +137,7 @@ class ParameterServerEngine(Engine):
         staleness_lr: str = "inverse",
         backup_workers: int = 0,
         straggler: dict[str, Any] | None = None,
+        transport: str = "auto",
         timeout_s: float = 300.0,
     ) -> None:
         super().__init__(
@@ -146,6 +151,7 @@ class ParameterServerEngine(Engine):
         require_launch()
         self.staleness = check_bound(staleness)
         self.staleness_lr = check_policy(staleness_lr)
+        self.transport = resolve_transport(transport)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
         self.timeout_s = float(timeout_s)
@@ -189,9 +195,11 @@ class ParameterServerEngine(Engine):
             prefix=self._prefix,
         )
         self._versions = [0] * self.servers
-        # Reused every step (a request returns only once gloo is done with its buffers).
-        self._pull_buffers = [layout.empty() for layout in self._layouts]
-        self._push_buffers = [layout.empty() for layout in self._layouts]
+        if self.transport == "shared_memory":
+            pulls, pushes = self._attach_shared_regions()
+            self._buffers = MappedBuffers(self._layouts, self._shard_params, pulls, pushes)
+        else:
+            self._buffers = CopiedBuffers(self._layouts, self._shard_params)
         self.server_samples = 0
         """Samples whose gradients server 0 had applied at this worker's last push."""
         self._closed = False
@@ -221,8 +229,7 @@ class ParameterServerEngine(Engine):
         share_in = to_device(take_share(inputs, self._rank, workers), self._device)
         share_tgt = to_device(take_share(targets, self._rank, workers), self._device)
         self.model.train()
-        for _, param in self._params:
-            param.grad = None
+        self._buffers.clear_grads()
         total = torch.zeros((), device=self._device)
         loss_scale = self.precision.loss_factor()  # 1 but under fp16; servers average workers
         for micro_in, micro_tgt in zip(
@@ -250,34 +257,45 @@ class ParameterServerEngine(Engine):
     def _pull(self) -> None:
         """Copy the servers' current parameters into this worker's model, once the
         staleness bound lets this worker start its next step."""
-        buffers = self._pull_buffers
-        replies = self.link.request(Op.PULL, clock=self.steps_taken, reply_payloads=buffers)
-        with torch.no_grad():
-            for s, (header, flats) in enumerate(replies):
-                self._versions[s] = int(header[1])
-                views = self._layouts[s].views(flats)
-                for param, value in zip(self._shard_params[s], views, strict=True):
-                    param.copy_(value)
+        replies = self.link.request(
+            Op.PULL, clock=self.steps_taken, reply_payloads=self._buffers.pull_payloads()
+        )
+        for s, (header, _) in enumerate(replies):
+            self._versions[s] = int(header[1])
+        self._buffers.take_pull()
 
     def _push(self, samples: int, *, skipped: bool = False) -> None:
         """Push this step's gradients; ``skipped``: the header alone, carrying none."""
-        grads = [[p.grad for p in shard] for shard in self._shard_params]
-        payloads = None
-        if not skipped:
-            payloads = [
-                layout.pack(g, out=out)
-                for layout, g, out in zip(self._layouts, grads, self._push_buffers, strict=True)
-            ]
+        has_grad = self._buffers.has_grad()
         replies = self.link.request(
             Op.PUSH,
-            payloads=payloads,
-            has_grad=[[g is not None and not skipped for g in shard] for shard in grads],
+            payloads=None if skipped else self._buffers.push_payloads(),
+            has_grad=[[flag and not skipped for flag in shard] for shard in has_grad],
             skipped=skipped,
             clock=self.steps_taken,
             pulled=list(self._versions),
             samples=samples,
         )
         self.server_samples = int(replies[0][0][2])
+
+    def _attach_shared_regions(self) -> tuple[list, list]:
+        """Create this worker's pull and push region per server, have each server map
+        them, and delete the files at once (see ``shared_memory``); their flat tensors."""
+        pulls: list[SharedRegion] = []
+        pushes: list[SharedRegion] = []
+        try:
+            for s, layout in enumerate(self._layouts):
+                pulls.append(SharedRegion.create(layout, f"w{self._rank}-s{s}-pull"))
+                pushes.append(SharedRegion.create(layout, f"w{self._rank}-s{s}-push"))
+            requests = [
+                {"push": str(push.path), "pull": str(pull.path)}
+                for push, pull in zip(pushes, pulls, strict=True)
+            ]
+            self.link.send_json(Op.ATTACH, requests)
+        finally:
+            for region in (*pulls, *pushes):
+                region.unlink()
+        return [r.flats for r in pulls], [r.flats for r in pushes]
 
     # -- reading and writing state ------------------------------------------------------------
 
@@ -344,6 +362,7 @@ class ParameterServerEngine(Engine):
             "servers": self.servers,
             "staleness": self.staleness,
             "backup_workers": self.backup_workers,
+            "transport": self.transport,
         }
 
     def wait_for_bound(self) -> None:
@@ -379,6 +398,7 @@ class ParameterServerEngine(Engine):
             "staleness": self.staleness,
             "staleness_lr": self.staleness_lr,
             "backup_workers": self.backup_workers,
+            "transport": self.transport,
             "mean_lr_factor": lead["mean_lr_factor"],
             "workers": self._workers,
             "pushes": {int(w): n for w, n in lead["pushes"].items()},

@@ -15,6 +15,10 @@ it is in ``server.py``.
 Every reply is a float64 header (status, version, samples applied, JSON length) and the
 same kinds of payload. float64 holds integers exactly up to 2**53, far beyond any count.
 
+With the shared-memory transport (see ``shared_memory.py``) a push's gradient and a pull's
+parameters lie in regions both sides map instead of following the header; the headers
+are the same and still order everything.
+
 Ordering: on one pair of processes, messages with the same tag arrive in the order sent,
 so a header and its payloads never interleave with another request's.
 """
@@ -48,6 +52,7 @@ class Op(IntEnum):
     METRICS = 6  # push counts, rates, the staleness histogram
     DONE = 7  # this worker will push no more: stop waiting for it
     BYE = 8  # this worker is done talking (implies DONE)
+    ATTACH = 9  # map this worker's shared-memory push and pull regions (see shared_memory)
 
 
 class Status(IntEnum):

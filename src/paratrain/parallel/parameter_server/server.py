@@ -18,6 +18,11 @@ evaluating for a long time); the server's life is bounded instead: it exits once
 worker said goodbye or died, and within a second of the launch store disappearing (the
 launch ended or its process died).
 
+A worker on the shared-memory transport (the default on a host with ``/dev/shm``) has
+this server map its push and pull regions once (``Op.ATTACH``); its pushes are then read
+from, and its pulls written into, those regions, and only headers cross gloo (see
+``shared_memory``).
+
 Asynchronous pushes (``staleness`` >= 1 or None) are applied at a learning rate divided
 by their staleness unless the job asks for ``staleness_lr="constant"``; see ``stale_lr``.
 With ``backup_workers`` (synchronous only), a version closes on its first N - b fresh
@@ -74,6 +79,7 @@ from paratrain.parallel.parameter_server.protocol import (
     wait_all,
 )
 from paratrain.parallel.parameter_server.sharding import ParamSpec
+from paratrain.parallel.parameter_server.shared_memory import SharedRegion
 from paratrain.parallel.parameter_server.stale_lr import lr_factor, scaled_learning_rate
 from paratrain.parallel.parameter_server.staleness import StalenessBook
 
@@ -88,8 +94,13 @@ class ShardServer:
         self.index, self.store, self.prefix = index, store, prefix
         self.workers = spec["workers"]
         self.layout = ShardLayout([ParamSpec.from_json(p) for p in spec["shards"][index]])
+        # Every parameter is a view of one flat tensor per dtype, so a pull copies the shard
+        # with one copy per dtype rather than one per parameter (under the lock, which the
+        # other workers' requests wait on).
+        self._flats = [flat.zero_() for flat in self.layout.empty()]
+        views = self.layout.views(self._flats)
         self.params = {
-            s.name: nn.Parameter(torch.zeros(s.shape, dtype=s.dtype)) for s in self.layout.specs
+            s.name: nn.Parameter(view) for s, view in zip(self.layout.specs, views, strict=True)
         }
         self.ordered = [self.params[s.name] for s in self.layout.specs]
         self.optimizer = build_optimizer(spec["optimizer"], self.params)
@@ -111,6 +122,8 @@ class ShardServer:
         self._pending_weight = 0.0  # of the pushes of this round that carried a gradient
         self._pending_fresh = 0  # pushes of this round computed on the open version
         self._pending_samples = 0
+        # worker -> (push region, pull region), for workers on the shared-memory transport
+        self._shared: dict[int, tuple[SharedRegion, SharedRegion]] = {}
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -149,7 +162,7 @@ class ShardServer:
             try:
                 reply = self._process(worker, op, header, payload)
             except (CheckpointError, OSError, KeyError, ValueError) as error:
-                if op not in (Op.SAVE, Op.LOAD):
+                if op not in (Op.SAVE, Op.LOAD, Op.ATTACH):
                     self._fatal(traceback.format_exc())
                 message = f"parameter server {self.index}: {error}"
                 data = encode_json({"error": message})
@@ -167,10 +180,12 @@ class ShardServer:
         self, worker: int, op: Op, header: torch.Tensor, grad_buffers: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         if op is Op.PUSH and not _skipped(header):
+            if worker in self._shared:  # already in place: nothing follows the header
+                return self._shared[worker][0].flats
             buffers = grad_buffers
         elif op is Op.SET:
             buffers = self.layout.empty()
-        elif op in (Op.SAVE, Op.LOAD):
+        elif op in (Op.SAVE, Op.LOAD, Op.ATTACH):
             buffers = [torch.empty(int(header[5]), dtype=torch.uint8)]
         else:
             return []
@@ -209,6 +224,8 @@ class ShardServer:
                 return self._json_reply(self._load(decode_json(payload[0])))
             if op is Op.METRICS:
                 return self._json_reply(self._metrics())
+            if op is Op.ATTACH:
+                return self._json_reply(self._attach(worker, decode_json(payload[0])))
         raise ValueError(f"unknown request {op!r}")
 
     def _json_reply(self, value) -> list[torch.Tensor]:
@@ -221,12 +238,28 @@ class ShardServer:
         """Current parameters, once the staleness bound lets ``worker`` start a step."""
         while not (self.initialized and self._may_pull(worker)):
             self.lock.wait(timeout=_POLL_S)
+        header = reply_header(version=self.version, samples=self.samples_applied)
+        if worker in self._shared:
+            # Written under the lock, read by the worker after this reply, and written
+            # again only at its next pull: nothing else touches the region meanwhile.
+            for region, flat in zip(self._shared[worker][1].flats, self._flats, strict=True):
+                region.copy_(flat)
+            return [header]
         if self._packed is None or self._packed[0] != self.version:
             # One copy per version, shared by every pull of it (sends only read it); a new
             # version gets a new tensor, as an earlier one may still be on its way out.
-            self._packed = (self.version, self.layout.pack(self.ordered))
-        flats = self._packed[1]
-        return [reply_header(version=self.version, samples=self.samples_applied), *flats]
+            self._packed = (self.version, [flat.clone() for flat in self._flats])
+        return [header, *self._packed[1]]
+
+    def _attach(self, worker: int, request: dict) -> dict:
+        """Map ``worker``'s push and pull regions: from now on its pushes and pulls carry
+        only headers over gloo (see ``shared_memory``)."""
+        regions = (
+            SharedRegion.attach(request["push"], self.layout),
+            SharedRegion.attach(request["pull"], self.layout),
+        )
+        self._shared[worker] = regions
+        return {"attached": True}
 
     def _may_pull(self, worker: int) -> bool:
         """The staleness bound; with backup workers, the version this worker last pushed
@@ -307,6 +340,7 @@ class ShardServer:
     def _retire(self, worker: int, *, lost: str | None) -> None:
         with self.lock:
             self.book.retire(worker, lost=lost)
+            self._shared.pop(worker, None)  # its regions are unmapped once dropped
             if self.synchronous:
                 self._apply_if_complete()
             self.lock.notify_all()
