@@ -111,3 +111,15 @@ def test_stale_adam_prints_one_loss_per_delay(monkeypatch, capsys):
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["0", "1"]
     losses = [float(row.split("|")[2]) for row in rows[1:]]
     assert all(0.0 < loss < 10.0 for loss in losses)
+
+
+@pytest.mark.slow
+def test_lockstep_measures_both_modes_in_every_process(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("lockstep")
+    assert bench.main(["--processes", "2", "--steps", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "CPU ms per step" in line]
+    assert [line.split(":")[0].strip() for line in lines] == list(bench.MODES)
+    for line in lines:
+        values = line.split("step ")[1].split(" (")[0].split(", ")
+        assert len(values) == 2 and all(float(v) > 0.0 for v in values)

@@ -255,7 +255,8 @@ class ParameterServerEngine(Engine):
             time.sleep((self.straggler["slowdown"] - 1.0) * compute_s)
 
     def _pull(self) -> None:
-        """Copy the servers' current parameters into this worker's model, once the
+        """Bring the servers' current parameters into this worker's model (copied from the
+        replies, or written in place by the servers: see ``worker_buffers``), once the
         staleness bound lets this worker start its next step."""
         replies = self.link.request(
             Op.PULL, clock=self.steps_taken, reply_payloads=self._buffers.pull_payloads()
