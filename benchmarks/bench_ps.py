@@ -17,7 +17,8 @@ Reported per method, medians over launches: samples/s (samples applied / wall ti
 the last worker stopped), wall time until the training loss, averaged over the most recent
 ``--window`` global batches' worth of samples, first reaches the target loss (by default
 the loss dp reaches at 80% of its run, in the same launch), the ratios to dp, and the loss
-at dp's sample count (how much each method learns per sample). The targets: ps at least
+at dp's sample count (how much each method learns per sample), and the share of the
+machine's CPU left idle during worker 0's run (Linux only). The targets: ps at least
 1.8x dp's samples/s, and at most 0.7x dp's time to the target loss.
 
     python benchmarks/bench_ps.py                  # defaults: 4 workers, 3 launches
@@ -81,6 +82,7 @@ def train_one(method: str, settings: dict, batches: list, straggler: dict) -> di
     )
     dist.barrier()  # the clock starts once every worker (and every server) is ready
     start = time.time()
+    cpu_before = cpu_ticks()
     records, step = [], 0
     while True:
         if strategy == "dp" and step * len(batches[0][0]) >= budget:
@@ -95,7 +97,7 @@ def train_one(method: str, settings: dict, batches: list, straggler: dict) -> di
         records.append((time.time() - start, stats.loss, stats.samples))
         step += 1
     end = time.time() - start
-    result = {"records": records, "end": end, "steps": step}
+    result = {"records": records, "end": end, "steps": step, "cpu_idle": idle_share(cpu_before)}
     if strategy == "ps":
         engine.finish()
         dist.barrier()  # benchmark only: every worker stopped before the metrics are read
@@ -105,6 +107,24 @@ def train_one(method: str, settings: dict, batches: list, straggler: dict) -> di
         result["samples"] = step * len(batches[0][0])
     dist.barrier()
     return result
+
+
+def cpu_ticks() -> list[int] | None:
+    """The machine's CPU time counters (Linux ``/proc/stat``), or None elsewhere."""
+    try:
+        with open("/proc/stat") as handle:
+            return [int(field) for field in handle.readline().split()[1:]]
+    except OSError:
+        return None
+
+
+def idle_share(before: list[int] | None) -> float | None:
+    """The share of the machine's CPU time that was idle since ``before``."""
+    after = cpu_ticks()
+    if before is None or after is None:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=False)]
+    return (spent[3] + spent[4]) / max(1, sum(spent))  # idle and iowait
 
 
 def bench_worker(order: list[str], settings: dict, straggler: dict) -> dict:
@@ -163,6 +183,8 @@ def analyse(launch: list[dict], target: float | None, window: int, methods: list
             "time_to_target": time_to_target(records, target, window),
             "final_loss": windowed_loss_at(records, None, window),
             "loss_at_dp_samples": windowed_loss_at(records, dp_samples, window),
+            # Read by worker 0 over its own run (the fast workers stop first under ps).
+            "cpu_idle": per_worker[0]["cpu_idle"],
             "mean_lr_factor": metrics.get("mean_lr_factor"),
             "pushes_per_s": metrics.get("pushes_per_s"),
             "staleness_histogram": metrics.get("staleness_histogram"),
@@ -222,6 +244,7 @@ def summarize(launches: list[dict], methods: list[str]) -> dict:
             "time_to_target": _median([r["time_to_target"] for r in runs]),
             "final_loss": _median([r["final_loss"] for r in runs]),
             "loss_at_dp_samples": _median([r["loss_at_dp_samples"] for r in runs]),
+            "cpu_idle": _median([r["cpu_idle"] for r in runs]),
             "mean_lr_factor": _median([r["mean_lr_factor"] for r in runs]),
             "samples_per_s_over_dp": _median(
                 [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(runs, dp, strict=True)]
@@ -253,8 +276,8 @@ def _fmt(value, spec: str) -> str:
 def format_table(summary: dict) -> str:
     lines = [
         "| method | samples/s | vs dp | time to target (s) | vs dp | reached | loss at dp's "
-        "samples | final loss | lr factor | pushes/s per worker | push staleness |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "samples | final loss | lr factor | CPU idle | pushes/s per worker | push staleness |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method in summary["methods"]:
         row = summary[method]
@@ -271,7 +294,8 @@ def format_table(summary: dict) -> str:
             f"| {_fmt(row['time_to_target_over_dp'], '.2f')}x "
             f"| {row['reached_target']}/{summary['launches']} "
             f"| {_fmt(row['loss_at_dp_samples'], '.3f')} | {_fmt(row['final_loss'], '.3f')} "
-            f"| {_fmt(row['mean_lr_factor'], '.2f')} | {rates} | {histogram} |"
+            f"| {_fmt(row['mean_lr_factor'], '.2f')} | {_fmt(row['cpu_idle'], '.0%')} "
+            f"| {rates} | {histogram} |"
         )
     for method in summary["methods"][1:]:
         row = summary[method]

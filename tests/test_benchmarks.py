@@ -94,6 +94,8 @@ def test_bench_ps_runs_dp_and_every_ps_method_and_prints_ratios(monkeypatch):
         assert set(summary[method]["pushes_per_s"]) == {0, 1, 2, 3}
         assert 0 < summary[method]["mean_lr_factor"] <= 1.0
         assert summary[method]["loss_at_dp_samples"] > 0
+    if Path("/proc/stat").exists():
+        assert all(0.0 <= summary[m]["cpu_idle"] <= 1.0 for m in summary["methods"])
     table = bench.format_table(summary)
     assert "| ps-async |" in table and "ps-staleness2: samples/s" in table
     assert "| ps-backup1 |" in table and "ps-backup1: samples/s" in table
