@@ -269,8 +269,8 @@ def summarize(launches: list[dict], methods: list[str]) -> dict:
     }
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _fmt(value, spec: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, spec) + unit
 
 
 def format_table(summary: dict) -> str:
@@ -289,9 +289,9 @@ def format_table(summary: dict) -> str:
         )
         lines.append(
             f"| {method} | {_fmt(row['samples_per_s'], '.1f')} "
-            f"| {_fmt(row['samples_per_s_over_dp'], '.2f')}x "
+            f"| {_fmt(row['samples_per_s_over_dp'], '.2f', 'x')} "
             f"| {_fmt(row['time_to_target'], '.1f')} "
-            f"| {_fmt(row['time_to_target_over_dp'], '.2f')}x "
+            f"| {_fmt(row['time_to_target_over_dp'], '.2f', 'x')} "
             f"| {row['reached_target']}/{summary['launches']} "
             f"| {_fmt(row['loss_at_dp_samples'], '.3f')} | {_fmt(row['final_loss'], '.3f')} "
             f"| {_fmt(row['mean_lr_factor'], '.2f')} | {_fmt(row['cpu_idle'], '.0%')} "
@@ -301,9 +301,9 @@ def format_table(summary: dict) -> str:
         row = summary[method]
         speed, when = row["samples_per_s_over_dp"], row["time_to_target_over_dp"]
         lines.append(
-            f"{method}: samples/s {_fmt(speed, '.2f')}x dp (target >= "
+            f"{method}: samples/s {_fmt(speed, '.2f', 'x')} dp (target >= "
             f"{TARGETS['samples_per_s']}x: {'met' if speed and speed >= 1.8 else 'NOT met'}), "
-            f"time to target {_fmt(when, '.2f')}x dp (target <= {TARGETS['time_to_target']}x: "
+            f"time to target {_fmt(when, '.2f', 'x')} dp (target <= {TARGETS['time_to_target']}x: "
             f"{'met' if when is not None and when <= 0.7 else 'NOT met'})"
         )
     return "\n".join(lines)

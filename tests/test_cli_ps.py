@@ -9,6 +9,7 @@ import pytest
 from paratrain.checkpoint import load_model_state, read_manifest
 from paratrain.cli import _ps_lines
 from paratrain.models import build_model
+from paratrain.parallel.parameter_server import shared_memory
 from paratrain.parallel.parameter_server.shared_memory import resolve_transport
 from paratrain.report import read_metrics
 from tests.test_cli_train import SHARED_DATA, run_cli
@@ -118,6 +119,16 @@ def test_bad_ps_settings_are_refused_before_any_worker_starts(tmp_path, capsys, 
     code, _, err = run_cli(capsys, *MLP, "--run-dir", str(tmp_path / "r"), *args)
     assert code == 2
     assert message in err
+
+
+def test_shared_memory_on_a_host_without_it_is_refused_before_any_worker_starts(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(shared_memory, "SHARED_DIR", tmp_path / "no-shm")
+    args = ("--strategy", "ps", "--transport", "shared_memory")
+    code, _, err = run_cli(capsys, *MLP, "--run-dir", str(tmp_path / "r"), *args)
+    assert code == 2
+    assert "needs a writable" in err and "pass transport='gloo'" in err
 
 
 def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():

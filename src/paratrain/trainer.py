@@ -30,6 +30,7 @@ from paratrain.parallel import strategy_names
 from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.fit_advice import advice, parameter_share
 from paratrain.parallel.parameter_server.backup import check_backup_workers
+from paratrain.parallel.parameter_server.shared_memory import resolve_transport
 from paratrain.parallel.partition import check_stages, validate_balance
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter, format_bytes
@@ -141,6 +142,7 @@ def check_ps(config: TrainConfig, devices: int) -> None:
     if config.strategy == "ps":
         try:
             check_backup_workers(config.backup_workers, config.staleness, devices)
+            resolve_transport(config.transport)
         except ValueError as error:
             raise ConfigError(str(error)) from None
 
