@@ -126,7 +126,7 @@ def test_a_server_reads_pushes_from_and_writes_pulls_into_a_workers_regions():
 
     push_region.flats[0].copy_(torch.tensor([1.0, 2.0, 3.0]))
     # This server has no gloo group: had it posted a receive, this would fail.
-    payload = server._receive_payload(0, Op.PUSH, request_header(Op.PUSH, flags=1), [])
+    payload = server._receive_payload(0, Op.PUSH, request_header(Op.PUSH, flags=1))
     assert payload[0].tolist() == [1.0, 2.0, 3.0]
     push_header = request_header(Op.PUSH, flags=1, samples=8, has_grad=[True])
     server._process(0, Op.PUSH, push_header, payload)

@@ -124,6 +124,9 @@ class ShardServer:
         self._pending_samples = 0
         # worker -> (push region, pull region), for workers on the shared-memory transport
         self._shared: dict[int, tuple[SharedRegion, SharedRegion]] = {}
+        # worker -> where its pushes land over gloo, reused: each push is used up (applied,
+        # or added into the round's sum) under the lock before its thread receives the next
+        self._gloo_grads: dict[int, list[torch.Tensor]] = {}
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -145,9 +148,6 @@ class ShardServer:
 
     def _serve(self, worker: int) -> None:
         header = torch.empty(REQUEST_FIELDS + len(self.ordered), dtype=torch.float64)
-        # This worker's pushes land here: each is used up (applied, or added into the
-        # round's sum) under the lock before this thread receives the next one.
-        grad_buffers = self.layout.empty()
         while True:
             try:
                 wait_all(post_recv(self.group, [header], worker, REQUEST_TAG), None)
@@ -155,7 +155,7 @@ class ShardServer:
                 if op is Op.BYE:
                     self._retire(worker, lost=None)
                     return
-                payload = self._receive_payload(worker, op, header, grad_buffers)
+                payload = self._receive_payload(worker, op, header)
             except RuntimeError as error:  # the connection closed: the worker died
                 self._retire(worker, lost=_first_line(error))
                 return
@@ -176,13 +176,13 @@ class ShardServer:
                 self._retire(worker, lost=_first_line(error))
                 return
 
-    def _receive_payload(
-        self, worker: int, op: Op, header: torch.Tensor, grad_buffers: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
+    def _receive_payload(self, worker: int, op: Op, header: torch.Tensor) -> list[torch.Tensor]:
         if op is Op.PUSH and not _skipped(header):
             if worker in self._shared:  # already in place: nothing follows the header
                 return self._shared[worker][0].flats
-            buffers = grad_buffers
+            buffers = self._gloo_grads.get(worker)
+            if buffers is None:  # made at a gloo worker's first push, none for the others
+                buffers = self._gloo_grads[worker] = self.layout.empty()
         elif op is Op.SET:
             buffers = self.layout.empty()
         elif op in (Op.SAVE, Op.LOAD, Op.ATTACH):
@@ -212,8 +212,8 @@ class ShardServer:
                 return [reply_header(version=self.version, samples=self.samples_applied)]
             if op is Op.SET:
                 with torch.no_grad():
-                    for param, value in zip(self.ordered, self.layout.views(payload), strict=True):
-                        param.copy_(value)
+                    for flat, value in zip(self._flats, payload, strict=True):
+                        flat.copy_(value)
                 self.initialized = self.seeded = True
                 self._packed = None
                 self.lock.notify_all()
