@@ -1,13 +1,16 @@
 """paratrain ps (asynchronous, staleness 2, backup worker) against dp with a straggler.
 
 Four workers train ``gpt`` on tinyshakespeare, one of them (rank 1) three times slower
-than the others (it sleeps twice its measured step time after each step; under ps the
-engine's ``straggler`` option does the same around its compute). Each method trains from
+than the others (it sleeps twice its measured step time after each step, so before its
+next compute; under ps the engine's ``straggler`` option sleeps twice its last compute
+between its pull and its compute). Each method trains from
 the same initial weights on the same global batches: dp until ``--samples`` samples have
 been applied, ps until ``--ps-samples`` (default twice as many: the question is how soon
 each reaches the target loss, and a ps run cut at dp's sample count might stop just short
-of it). The ps servers divide each push's learning rate by its staleness
-(``--staleness-lr``, the engine's default; ``constant`` shows what it buys). ``ps-backup1``
+of it). The ps servers divide each push's learning rate by its staleness + 1
+(``--staleness-lr``, the engine's default; ``constant`` shows what it buys), and
+asynchronous pulls look ahead (the engine's default; ``ps-async-no-lookahead``, not run
+unless named, shows what that buys). ``ps-backup1``
 is synchronous ps with one backup worker: a version closes on the first three fresh
 pushes, and the straggler's late pushes fold into the next one (see the engine's
 ``backup`` module). The methods run in the same worker processes, one after the other, in
@@ -50,7 +53,9 @@ METHODS = {
     "ps-async": {"strategy": "ps", "staleness": None},
     "ps-staleness2": {"strategy": "ps", "staleness": 2},
     "ps-backup1": {"strategy": "ps", "staleness": 0, "backup_workers": 1},
+    "ps-async-no-lookahead": {"strategy": "ps", "staleness": None, "lookahead": False},
 }
+DEFAULT_METHODS = ["dp", "ps-async", "ps-staleness2", "ps-backup1"]
 TARGETS = {"samples_per_s": 1.8, "time_to_target": 0.7}
 
 
@@ -320,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--staleness-lr", choices=POLICIES, default="inverse")
     parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="dp always runs"
+        "--methods",
+        nargs="+",
+        choices=list(METHODS),
+        default=DEFAULT_METHODS,
+        help="dp always runs",
     )
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=64)

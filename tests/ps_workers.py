@@ -94,6 +94,30 @@ def straggler_worker(settings: list[dict], budget: int, batch: int) -> list[dict
     return results
 
 
+def straggler_timeline(steps: int, straggler_rank: int) -> list[tuple[str, float]] | None:
+    """The straggler's pulls, sleeps and computes in order (its sleeps recorded, not slept),
+    with each sleep's length; None on the other workers."""
+    from types import SimpleNamespace
+
+    from paratrain.parallel.parameter_server import engine as ps_engine
+
+    engine = workers.parity_engine(
+        "ps", "mlp", "sgd", staleness=None, straggler={"rank": straggler_rank, "slowdown": 3.0}
+    )
+    events: list[tuple[str, float]] = []
+    ps_engine.time = SimpleNamespace(  # this worker process only
+        perf_counter=ps_engine.time.perf_counter,
+        sleep=lambda seconds: events.append(("sleep", seconds)),
+    )
+    pull = engine._pull
+    engine._pull = lambda **kw: (pull(**kw), events.append(("pull", 0.0)))
+    engine.model.register_forward_pre_hook(lambda *_: events.append(("compute", 0.0)))
+    for x, y in workers.parity_batches("mlp", steps=steps, batch=24):
+        engine.train_step(x, y)
+    engine.close()
+    return events if dist.get_rank() == straggler_rank else None
+
+
 def lose_a_worker(options: dict, steps: int, kill_rank: int, kill_step: int) -> dict:
     """``kill_rank`` SIGKILLs itself before step ``kill_step``; the others train on."""
     engine = workers.parity_engine("ps", "mlp", "sgd", **options)

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+needs_shakespeare = pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
+    reason="../shared/data (tinyshakespeare) is absent",
+)
 
 
 @pytest.mark.slow
@@ -74,10 +78,7 @@ def test_bench_zero_runs_paratrain_and_both_peers_and_measures_memory(monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
-    reason="../shared/data (tinyshakespeare) is absent",
-)
+@needs_shakespeare
 def test_bench_ps_runs_dp_and_every_ps_method_and_prints_ratios(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("bench_ps")
@@ -85,10 +86,14 @@ def test_bench_ps_runs_dp_and_every_ps_method_and_prints_ratios(monkeypatch):
         ["--repeats", "1", "--samples", "256", "--global-batch", "16", "--n-embd", "32"]
         + ["--block-size", "32", "--n-layer", "1", "--window", "2"]
     )
+    assert args.methods == bench.DEFAULT_METHODS
+    args.methods = list(bench.METHODS)  # the optional control too
     summary = bench.run(args)
     assert summary["launches"] == 1
     assert summary["dp"]["samples_per_s_over_dp"] == pytest.approx(1.0)
-    assert summary["methods"] == ["dp", "ps-async", "ps-staleness2", "ps-backup1"]
+    assert summary["methods"] == ["dp", "ps-async", "ps-staleness2", "ps-backup1"] + [
+        "ps-async-no-lookahead"
+    ]
     for method in summary["methods"][1:]:
         assert summary[method]["samples_per_s"] > 0
         assert set(summary[method]["pushes_per_s"]) == {0, 1, 2, 3}
@@ -101,10 +106,7 @@ def test_bench_ps_runs_dp_and_every_ps_method_and_prints_ratios(monkeypatch):
     assert "| ps-backup1 |" in table and "ps-backup1: samples/s" in table
 
 
-@pytest.mark.skipif(
-    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
-    reason="../shared/data (tinyshakespeare) is absent",
-)
+@needs_shakespeare
 def test_stale_adam_prints_one_loss_per_delay(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("stale_adam")
@@ -125,3 +127,14 @@ def test_lockstep_measures_both_modes_in_every_process(monkeypatch, capsys):
     for line in lines:
         values = line.split("step ")[1].split(" (")[0].split(", ")
         assert len(values) == 2 and all(float(v) > 0.0 for v in values)
+
+
+@needs_shakespeare
+def test_async_sim_prints_dp_and_every_variant(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("async_sim")
+    assert bench.main(["--samples", "160", "--ps-samples", "160"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["dp", *bench.VARIANTS]
+    losses = [float(row.split("|")[2]) for row in rows[1:]]
+    assert all(0.0 < loss < 10.0 for loss in losses)

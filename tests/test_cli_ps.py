@@ -43,8 +43,9 @@ def test_gpt_with_a_staleness_bound_on_four_workers(tmp_path, capsys):
     assert code == 0, err
     assert "strategy ps, 4 worker(s), 12 steps, global batch 16" in out
     transport = resolve_transport("auto").replace("_", " ")
-    said = f"servers           1 ({transport}), staleness bound 2, lr / staleness (mean factor"
+    said = f"servers           1 ({transport}), staleness bound 2, lr / (staleness + 1)"
     assert said in out
+    assert "), lookahead pulls" in out
     assert "pushes/s          worker 0:" in out and "worker 3:" in out
     assert "push staleness" in out and "sample:" in out
     summary = run_summary(run_dir)
@@ -112,6 +113,7 @@ def test_asynchronous_run_survives_a_lost_worker(tmp_path, capsys, monkeypatch):
         (["--strategy", "ps", "--devices", "2", "--backup-workers", "2"], "less than the number"),
         (["--strategy", "ps", "--backup-workers", "-1"], "backup_workers must be at least 0"),
         (["--strategy", "dp", "--transport", "gloo"], "--transport is a ps option"),
+        (["--strategy", "dp", "--no-lookahead"], "--no-lookahead is a ps option"),
         (["--strategy", "ps", "--transport", "tcp"], "transport must be one of auto, shared_me"),
     ],
 )
@@ -146,5 +148,20 @@ def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():
     said = "staleness bound 0 (synchronous) with 1 backup worker(s): late pushes fold in"
     assert said in lines[0]
     assert "servers           1 (shared memory)" in lines[0]
-    assert "lr / staleness (mean factor 0.80)" in lines[0]
+    assert "lr / (staleness + 1) (mean factor 0.80)" in lines[0]
     assert "0: 9, 3: 2" in lines[2]
+    assert "lookahead" not in lines[0], "synchronous rounds never look ahead"
+
+
+def test_the_summary_says_when_pulls_look_ahead():
+    ps = {
+        "servers": 1,
+        "staleness": None,
+        "staleness_lr": "inverse",
+        "lookahead": True,
+        "mean_lr_factor": 0.4,
+        "pushes_per_s": {0: 3.0},
+        "staleness_histogram": {2: 5},
+    }
+    line = _ps_lines({"ps": ps})[0]
+    assert line.endswith("lr / (staleness + 1) (mean factor 0.40), lookahead pulls"), line

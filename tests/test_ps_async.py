@@ -72,3 +72,17 @@ def test_a_backup_worker_lets_synchronous_rounds_go_on_without_the_straggler(run
     assert sum(histogram.values()) == sum(pushes.values())
     assert metrics["samples_applied"] == 8 * sum(pushes.values())
     assert metrics["backup_workers"] == 1 and metrics["lost_workers"] == {}
+
+
+def test_the_straggler_sleeps_between_its_pull_and_its_compute():
+    # As dp's straggler in the benchmarks sleeps between one step's gradient exchange and
+    # the next step's compute; the first step, with no compute to go by, sleeps after it.
+    results = paratrain.launch(ps_workers.straggler_timeline, devices=2, args=(3, 1))
+    events = results[1]
+    assert results[0] is None
+    assert [name for name, _ in events] == [
+        *("pull", "compute", "sleep"),
+        *("pull", "sleep", "compute"),
+        *("pull", "sleep", "compute"),
+    ], events
+    assert all(seconds > 0 for name, seconds in events if name == "sleep"), events

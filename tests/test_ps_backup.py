@@ -48,16 +48,16 @@ def test_a_version_closes_on_the_first_fresh_pushes_and_late_ones_fold_in():
     push(server, 0, 2.0)
     push(server, 2, 2.0)
     assert (server.version, weight(server)) == (2, [-4.0] * 3)
-    push(server, 1, 6.0, pulled=0)  # two versions late: weight 1/2, and no version yet
+    push(server, 1, 6.0, pulled=0)  # two versions late: weight 1/3, and no version yet
     assert server.version == 2 and server._may_pull(1), "a late pusher starts again at once"
     push(server, 0, 1.0)
     push(server, 2, 2.0)
-    # (6 * 0.5 + 1 + 2) / (0.5 + 1 + 1) = 2.4: the weighted mean of everything carried.
-    assert server.version == 3 and weight(server) == pytest.approx([-6.4] * 3)
+    # (6 / 3 + 1 + 2) / (1 / 3 + 1 + 1) = 15 / 7: the weighted mean of everything carried.
+    assert server.version == 3 and weight(server) == pytest.approx([-4.0 - 15 / 7] * 3)
     assert server.samples_applied == 8 * 7, "a late push's samples count as applied"
     metrics = server._metrics()
     assert metrics["staleness_histogram"] == {"0": 6, "2": 1}
-    assert metrics["mean_lr_factor"] == pytest.approx(6.5 / 7)
+    assert metrics["mean_lr_factor"] == pytest.approx((6 + 1 / 3) / 7)
     assert metrics["backup_workers"] == 1
 
 

@@ -32,7 +32,11 @@ from tests.test_precision import BF16_TOLERANCE, FORCED, LOSS_TOLERANCE
 
 
 def shard_server(
-    staleness: int | None, staleness_lr: str = "inverse", workers: int = 2, backup_workers: int = 0
+    staleness: int | None,
+    staleness_lr: str = "inverse",
+    workers: int = 2,
+    backup_workers: int = 0,
+    lookahead: bool = False,
 ) -> ShardServer:
     """A server of ``workers`` workers holding one 3-vector at zero, under SGD with lr 1."""
     model = torch.nn.Linear(3, 1, bias=False)
@@ -42,6 +46,7 @@ def shard_server(
         "staleness": staleness,
         "staleness_lr": staleness_lr,
         "backup_workers": backup_workers,
+        "lookahead": lookahead,
         "shards": [[ParamSpec("weight", (1, 3), torch.float32).to_json()]],
         "optimizer": describe_optimizer(lambda p: torch.optim.SGD(p, lr=1.0), model),
     }

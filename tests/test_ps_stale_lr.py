@@ -17,8 +17,9 @@ from paratrain.parallel.parameter_server.stale_lr import (
 from tests.test_ps_precision import push, shard_server, weight
 
 
-def test_the_factor_divides_by_staleness_and_leaves_fresh_pushes_alone():
-    assert [lr_factor("inverse", s) for s in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]
+def test_the_factor_divides_by_staleness_plus_one_and_leaves_fresh_pushes_alone():
+    # Staleness 1 is one update behind already: it shares that update's step.
+    assert [lr_factor("inverse", s) for s in (0, 1, 2, 4)] == [1.0, 0.5, 1 / 3, 0.2]
     assert [lr_factor("constant", s) for s in (0, 1, 4)] == [1.0, 1.0, 1.0]
 
 
@@ -38,7 +39,7 @@ def test_the_users_learning_rate_comes_back_even_when_the_step_fails():
 
 
 @pytest.mark.parametrize(
-    ("policy", "factors"), [("inverse", [1.0, 1.0, 0.5, 1 / 3]), ("constant", [1.0] * 4)]
+    ("policy", "factors"), [("inverse", [1.0, 0.5, 1 / 3, 0.25]), ("constant", [1.0] * 4)]
 )
 def test_a_stale_push_moves_the_parameters_less_under_inverse(policy, factors):
     server = shard_server(staleness=None, staleness_lr=policy)

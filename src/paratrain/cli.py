@@ -85,7 +85,9 @@ def _ps_lines(extra: dict) -> list[str]:
     if backup:
         bound = f"{bound} (synchronous) with {backup} backup worker(s): late pushes fold in"
     if ps.get("staleness_lr") == "inverse" and (ps["staleness"] != 0 or backup):
-        bound = f"{bound}, lr / staleness (mean factor {ps['mean_lr_factor']:.2f})"
+        bound = f"{bound}, lr / (staleness + 1) (mean factor {ps['mean_lr_factor']:.2f})"
+    if ps.get("lookahead"):
+        bound = f"{bound}, lookahead pulls"
     lines = [
         f"  servers           {ps['servers']} ({transport}), staleness bound {bound}",
         f"  pushes/s          {rates}",

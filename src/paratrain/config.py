@@ -96,8 +96,8 @@ class TrainConfig:
     staleness_lr: str = field(
         default="inverse",
         metadata={
-            "help": "ps: inverse divides a push's learning rate by its staleness, constant "
-            "applies every push at --lr"
+            "help": "ps: inverse divides a push's learning rate by its staleness + 1, "
+            "constant applies every push at --lr"
         },
     )
     backup_workers: int = field(
@@ -105,6 +105,13 @@ class TrainConfig:
         metadata={
             "help": "ps with --staleness 0: a version needs only the first N - this many "
             "workers' pushes; later ones fold into the next (no waiting for stragglers)"
+        },
+    )
+    lookahead: bool = field(
+        default=True,
+        metadata={
+            "help": "ps, asynchronous or bounded: a step's pull returns the parameters "
+            "extrapolated to where they will be when its push lands"
         },
     )
     transport: str = field(

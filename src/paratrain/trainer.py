@@ -55,7 +55,7 @@ _STRATEGY_OPTIONS = {
     "single": ("recompute",),
     "dp": ("bucket_mb", "recompute"),
     "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
-    "ps": ("servers", "staleness", "staleness_lr", "backup_workers", "transport"),
+    "ps": ("servers", "staleness", "staleness_lr", "backup_workers", "lookahead", "transport"),
     "zero1": ("bucket_mb", "recompute"),
     "zero2": ("bucket_mb", "recompute"),
     "zero3": ("recompute",),
@@ -137,6 +137,8 @@ def check_ps(config: TrainConfig, devices: int) -> None:
         raise ConfigError(
             "--backup-workers is a ps option; pass --strategy ps or drop --backup-workers."
         )
+    if not config.lookahead and config.strategy != "ps":
+        raise ConfigError("--no-lookahead is a ps option; pass --strategy ps or drop it.")
     if config.transport != "auto" and config.strategy != "ps":
         raise ConfigError("--transport is a ps option; pass --strategy ps or drop --transport.")
     if config.strategy == "ps":

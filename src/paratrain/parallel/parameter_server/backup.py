@@ -8,7 +8,7 @@ synchronous SGD") keep the synchronous step and drop the wait: with ``b`` backup
 workers a version is taken from the first ``N - b`` pushes computed on it, and the
 slowest workers' pushes arrive late. TensorFlow's ``SyncReplicasOptimizer`` discards late
 pushes; here a late push is folded into the version that is open when it arrives,
-weighted by the staleness-aware factor of ``stale_lr`` (1 / staleness under "inverse"),
+weighted by the staleness-aware factor of ``stale_lr`` (1 / (staleness + 1) under "inverse"),
 so that the straggler's samples still count and nothing it computed is thrown away.
 
 Rules, all per server (each server counts the pushes it received, in its own order):

@@ -109,12 +109,15 @@ class ParameterServerEngine(Engine):
     Options: ``servers`` (server processes, default 1), ``staleness`` (0 = synchronous,
     k = at most k steps ahead of the slowest live worker, None = asynchronous),
     ``staleness_lr`` ("inverse", the default: a push's learning rate is divided by its
-    staleness, see ``stale_lr``; "constant": every push at the optimizer's rate),
+    staleness + 1, see ``stale_lr``; "constant": every push at the optimizer's rate),
     ``backup_workers`` (with ``staleness=0`` only: a version closes on its first N - b
     fresh pushes, late pushes are folded into the next at the ``staleness_lr`` factor; see
     ``backup``),
+    ``lookahead`` (True, the default: under asynchrony a step's pull returns the parameters
+    extrapolated to where they will be when its push lands; see ``lookahead``),
     ``straggler`` (``{"rank": r, "slowdown": s}``: worker r sleeps (s - 1) times its
-    compute time each step; for tests and benchmarks), ``transport`` ("auto", the default:
+    compute time each step, between its pull and its compute; for tests and benchmarks),
+    ``transport`` ("auto", the default:
     "shared_memory" where the host has ``/dev/shm``, else "gloo"; how pushed gradients and
     pulled parameters travel, see ``shared_memory``), ``timeout_s`` (the longest any
     wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
@@ -136,6 +139,7 @@ class ParameterServerEngine(Engine):
         staleness: int | None = 0,
         staleness_lr: str = "inverse",
         backup_workers: int = 0,
+        lookahead: bool = True,
         straggler: dict[str, Any] | None = None,
         transport: str = "auto",
         timeout_s: float = 300.0,
@@ -151,6 +155,9 @@ class ParameterServerEngine(Engine):
         require_launch()
         self.staleness = check_bound(staleness)
         self.staleness_lr = check_policy(staleness_lr)
+        if not isinstance(lookahead, bool):
+            raise ValueError(f"lookahead must be True or False, not {lookahead!r}.")
+        self.lookahead = lookahead
         self.transport = resolve_transport(transport)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
@@ -161,6 +168,7 @@ class ParameterServerEngine(Engine):
         self.servers = check_servers(servers, len(specs))
         self._workers, self._rank = comm.world_size(), comm.rank()
         self.straggler = check_straggler(straggler, self._workers)
+        self._last_compute_s: float | None = None  # the straggler's sleep is scaled from it
         self.backup_workers = check_backup_workers(backup_workers, self.staleness, self._workers)
         shards = assign_shards(specs, self.servers)
         self._layouts = [ShardLayout(shard) for shard in shards]
@@ -178,6 +186,7 @@ class ParameterServerEngine(Engine):
                 "staleness": self.staleness,
                 "staleness_lr": self.staleness_lr,
                 "backup_workers": self.backup_workers,
+                "lookahead": self.lookahead,
                 "shards": [[s.to_json() for s in shard] for shard in shards],
                 "optimizer": describe_optimizer(optimizer, self.model),
             }
@@ -224,7 +233,9 @@ class ParameterServerEngine(Engine):
         workers, k = self._workers, self.gradient_accumulation
         check_divisible(samples, replicas=workers, micro_batches=k)
         bytes_before = self.link.bytes_sent
-        self._pull()
+        self._pull(for_step=True)
+        if self._last_compute_s is not None:
+            self._straggle(self._last_compute_s)
         started = time.perf_counter()
         share_in = to_device(take_share(inputs, self._rank, workers), self._device)
         share_tgt = to_device(take_share(targets, self._rank, workers), self._device)
@@ -245,21 +256,41 @@ class ParameterServerEngine(Engine):
         # skips the vote): no ps worker may wait on another, and it pushes only its own.
         grads = (param.grad for _, param in self._params)
         carries = self.precision.unscale_and_check(grads, synchronized=True)
-        self._straggle(time.perf_counter() - started)
+        compute_s = time.perf_counter() - started
+        if self._last_compute_s is None:  # the first step: no earlier compute to go by
+            self._straggle(compute_s)
+        self._last_compute_s = compute_s
         self._push(samples // workers, skipped=not carries)
         self.steps_taken += 1
         return self._step_stats(share_loss, samples // workers, self.link.bytes_sent - bytes_before)
 
     def _straggle(self, compute_s: float) -> None:
+        """The straggler knob: its worker sleeps (slowdown - 1) times a step's compute.
+
+        Where the sleep goes matters on devices that share CPUs (the only place this knob
+        is used): the benchmarks' dp straggler sleeps after its step, so between getting
+        the parameters and computing the next gradient. Here the sleep goes at the same
+        place, between the pull and the compute, timed by the previous step's compute
+        (the first step, with nothing to go by, sleeps after computing). Sleeping after
+        the compute instead would have the straggler compute just when its previous push
+        released the fast workers, so its compute, and the sleep scaled from it, would
+        stretch with their contention: under a staleness bound that made ps slower than
+        dp for no reason of its own. Either way a pull and its push are ``slowdown``
+        times a compute apart, so the staleness of its pushes is the same.
+        """
         if self.straggler is not None and self.straggler["rank"] == self._rank:
             time.sleep((self.straggler["slowdown"] - 1.0) * compute_s)
 
-    def _pull(self) -> None:
+    def _pull(self, *, for_step: bool = False) -> None:
         """Bring the servers' current parameters into this worker's model (copied from the
         replies, or written in place by the servers: see ``worker_buffers``), once the
-        staleness bound lets this worker start its next step."""
+        staleness bound lets this worker start its next step; ``for_step``: the pull of a
+        training step, which the servers may extrapolate (see ``lookahead``)."""
         replies = self.link.request(
-            Op.PULL, clock=self.steps_taken, reply_payloads=self._buffers.pull_payloads()
+            Op.PULL,
+            clock=self.steps_taken,
+            lookahead=for_step and self.lookahead,
+            reply_payloads=self._buffers.pull_payloads(),
         )
         for s, (header, _) in enumerate(replies):
             self._versions[s] = int(header[1])
@@ -363,6 +394,7 @@ class ParameterServerEngine(Engine):
             "servers": self.servers,
             "staleness": self.staleness,
             "backup_workers": self.backup_workers,
+            "lookahead": self.lookahead and self.staleness != 0,
             "transport": self.transport,
         }
 
@@ -399,6 +431,7 @@ class ParameterServerEngine(Engine):
             "staleness": self.staleness,
             "staleness_lr": self.staleness_lr,
             "backup_workers": self.backup_workers,
+            "lookahead": self.lookahead and self.staleness != 0,
             "transport": self.transport,
             "mean_lr_factor": lead["mean_lr_factor"],
             "workers": self._workers,

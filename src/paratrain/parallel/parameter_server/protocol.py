@@ -3,7 +3,8 @@
 Why a fixed header before every payload: gloo delivers a point-to-point message only
 into a receive of exactly its size, so the receiver must know each size before posting.
 Every request is a float64 header (operation, the worker's clock, the version it pulled,
-samples, the byte length of a JSON payload, whether to wait for the other workers, whether
+samples, whether a pull is for a step (and so may look ahead, see ``lookahead.py``), the
+byte length of a JSON payload, whether to wait for the other workers, whether
 a push carries no gradient, then one has-gradient flag per parameter of that server's
 shard) followed by payloads whose sizes both sides already know (the shard's flat
 tensors, one per dtype) or that the header announces (JSON bytes).
@@ -37,6 +38,7 @@ from paratrain.parallel.parameter_server.sharding import ParamSpec
 
 REQUEST_TAG, REQUEST_DATA_TAG, REPLY_TAG, REPLY_DATA_TAG = 11, 12, 13, 14
 REQUEST_FIELDS = 8
+LOOKAHEAD_FIELD = 4  # in a request header: 1.0 when a pull is for a step (see lookahead)
 SKIPPED_FIELD = 7  # in a request header: 1.0 when a push carries no gradient
 REPLY_FIELDS = 6
 
@@ -122,12 +124,16 @@ def request_header(
     json_bytes: int = 0,
     wait: bool = False,
     skipped: bool = False,
+    lookahead: bool = False,
     has_grad: Sequence[bool] = (),
 ) -> torch.Tensor:
     """A request header; ``flags`` is the shard's parameter count (its has-grad slots)."""
     header = torch.zeros(REQUEST_FIELDS + flags, dtype=torch.float64)
     header[:REQUEST_FIELDS] = torch.tensor(
-        [float(op), clock, pulled, samples, 0.0, json_bytes, float(wait), float(skipped)],
+        [
+            *(float(op), clock, pulled, samples, float(lookahead)),
+            *(json_bytes, float(wait), float(skipped)),
+        ],
         dtype=torch.float64,
     )
     if has_grad:

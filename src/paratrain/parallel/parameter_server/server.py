@@ -24,7 +24,7 @@ from, and its pulls written into, those regions, and only headers cross gloo (se
 ``shared_memory``).
 
 Asynchronous pushes (``staleness`` >= 1 or None) are applied at a learning rate divided
-by their staleness unless the job asks for ``staleness_lr="constant"``; see ``stale_lr``.
+by their staleness + 1 unless the job asks for ``staleness_lr="constant"``; see ``stale_lr``.
 With ``backup_workers`` (synchronous only), a version closes on its first N - b fresh
 pushes and late pushes are folded into the open version at the same factor; see
 ``backup``.
@@ -60,8 +60,10 @@ from paratrain.checkpoint import Checkpoint, CheckpointError, write_shard
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.parallel.parameter_server import jobkeys
 from paratrain.parallel.parameter_server.backup import quorum
+from paratrain.parallel.parameter_server.lookahead import PullLookahead
 from paratrain.parallel.parameter_server.optimizer_spec import build_optimizer
 from paratrain.parallel.parameter_server.protocol import (
+    LOOKAHEAD_FIELD,
     REPLY_DATA_TAG,
     REPLY_TAG,
     REQUEST_DATA_TAG,
@@ -108,6 +110,9 @@ class ShardServer:
         self.synchronous = spec["staleness"] == 0
         self.staleness_lr = spec["staleness_lr"]
         self.backup = spec.get("backup_workers", 0)
+        # Extrapolated step pulls (asynchronous and bounded runs; see ``lookahead``).
+        wants_lookahead = spec.get("lookahead", False) and not self.synchronous
+        self.lookahead = PullLookahead(self._flats) if wants_lookahead else None
         self._pushed_fresh_on: dict[int, int] = {}  # worker -> version of its last fresh push
         self.lock = threading.Condition()
         self.version = 0
@@ -196,7 +201,7 @@ class ShardServer:
         with self.lock:
             self.book.seen(worker)
             if op is Op.PULL:
-                return self._pull(worker)
+                return self._pull(worker, for_step=bool(header[LOOKAHEAD_FIELD] == 1.0))
             if op is Op.PUSH:
                 flags = [bool(v) for v in header[REQUEST_FIELDS:].tolist()]
                 grads = None if _skipped(header) else payload
@@ -216,6 +221,8 @@ class ShardServer:
                         flat.copy_(value)
                 self.initialized = self.seeded = True
                 self._packed = None
+                if self.lookahead is not None:
+                    self.lookahead.forget_step()
                 self.lock.notify_all()
                 return [reply_header(version=self.version)]
             if op is Op.SAVE:
@@ -234,17 +241,27 @@ class ShardServer:
 
     # -- the operations (called with the lock held) ----------------------------------------
 
-    def _pull(self, worker: int) -> list[torch.Tensor]:
-        """Current parameters, once the staleness bound lets ``worker`` start a step."""
+    def _pull(self, worker: int, *, for_step: bool = False) -> list[torch.Tensor]:
+        """Current parameters, once the staleness bound lets ``worker`` start a step; for
+        a step of an asynchronous run, where they will be when its push lands (see
+        ``lookahead``)."""
         while not (self.initialized and self._may_pull(worker)):
             self.lock.wait(timeout=_POLL_S)
         header = reply_header(version=self.version, samples=self.samples_applied)
+        lookahead = self.lookahead if for_step else None
         if worker in self._shared:
             # Written under the lock, read by the worker after this reply, and written
             # again only at its next pull: nothing else touches the region meanwhile.
-            for region, flat in zip(self._shared[worker][1].flats, self._flats, strict=True):
-                region.copy_(flat)
+            region = self._shared[worker][1].flats
+            if lookahead is not None:
+                lookahead.write(worker, region)
+            else:
+                for target, flat in zip(region, self._flats, strict=True):
+                    target.copy_(flat)
             return [header]
+        extrapolated = lookahead.extrapolated(worker) if lookahead is not None else None
+        if extrapolated is not None:
+            return [header, *extrapolated]
         if self._packed is None or self._packed[0] != self.version:
             # One copy per version, shared by every pull of it (sends only read it); a new
             # version gets a new tensor, as an earlier one may still be on its way out.
@@ -275,6 +292,8 @@ class ShardServer:
         staleness = self.version - pulled
         self.book.record_push(worker, staleness, skipped=grads is None)
         if not self.synchronous:
+            if self.lookahead is not None:
+                self.lookahead.note_push(worker, staleness)
             if grads is not None:
                 factor = lr_factor(self.staleness_lr, staleness)
                 with scaled_learning_rate(self.optimizer, factor):
@@ -326,6 +345,8 @@ class ShardServer:
     def _apply(self, grads, has_grad: Sequence[bool], samples: int) -> None:
         for param, grad, flag in zip(self.ordered, grads, has_grad, strict=True):
             param.grad = grad if flag else None
+        if self.lookahead is not None:
+            self.lookahead.before_step()
         self.optimizer.step()
         for param in self.ordered:
             param.grad = None
@@ -375,6 +396,8 @@ class ShardServer:
             for name, param in self.params.items():
                 param.copy_(checkpoint.tensor("model", name))
         self._packed = None
+        if self.lookahead is not None:
+            self.lookahead.forget_step()
         meta = checkpoint.manifest.get("optimizer")
         if meta:
             state_keys: dict[str, list[str]] = {}
@@ -402,6 +425,7 @@ class ShardServer:
             "parameter_bytes": self.layout.nbytes,
             "staleness_lr": self.staleness_lr,
             "backup_workers": self.backup,
+            "lookahead": self.lookahead is not None,
             # Synchronous pushes are fresh (factor 1) but for backup workers' late ones,
             # which are weighted by the same factor, so the mean is right in every mode.
             "mean_lr_factor": factors / sum(applied.values()) if applied else 1.0,
