@@ -28,10 +28,9 @@ import heapq
 import random
 import statistics
 import sys
-from collections import deque
 
 import torch
-from bench_ps import DEFAULT_DATA, global_batches
+from bench_ps import DEFAULT_DATA, global_batches, time_to_target, windowed_loss_at
 
 from paratrain.models import build_model, loss_for
 from paratrain.parallel.parameter_server.lookahead import PullLookahead
@@ -60,28 +59,8 @@ def flat_gpt(vocab: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, flat
 
 
-def windowed(records: list[tuple[float, int]]) -> list[tuple[int, float]]:
-    """(samples trained, loss averaged over the last WINDOW samples) after each record."""
-    curve, recent, seen, held = [], deque(), 0, 0
-    for loss, samples in records:
-        seen += samples
-        recent.append((loss, samples))
-        held += samples
-        while held - recent[0][1] >= WINDOW:
-            held -= recent.popleft()[1]
-        curve.append((seen, sum(x * n for x, n in recent) / held))
-    return curve
-
-
-def loss_at(curve: list[tuple[int, float]], samples: int) -> float:
-    return next((loss for seen, loss in curve if seen >= samples), curve[-1][1])
-
-
-def samples_to(curve: list[tuple[int, float]], target: float) -> int | None:
-    return next((seen for seen, loss in curve if seen >= WINDOW and loss <= target), None)
-
-
-def train_dp(batches: list, vocab: int, lr: float, samples: int) -> list[tuple[int, float]]:
+def train_dp(batches: list, vocab: int, lr: float, samples: int) -> list[tuple[int, float, int]]:
+    """``bench_ps.py``'s records, timed in samples: (samples so far, loss, samples)."""
     model, _ = flat_gpt(vocab)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn, records = loss_for("gpt"), []
@@ -90,13 +69,13 @@ def train_dp(batches: list, vocab: int, lr: float, samples: int) -> list[tuple[i
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
-        records.append((loss.item(), GLOBAL_BATCH))
-    return windowed(records)
+        records.append(((len(records) + 1) * GLOBAL_BATCH, loss.item(), GLOBAL_BATCH))
+    return records
 
 
 def train_async(
     batches: list, vocab: int, args: argparse.Namespace, policy: str, lookahead: bool, seed: int
-) -> list[tuple[int, float]]:
+) -> list[tuple[int, float, int]]:
     """Event by event: the earliest step to end pushes, the server applies it, that worker
     pulls again. Worker 1 is the slow one, as in ``bench_ps.py``."""
     rng = random.Random(seed)
@@ -120,7 +99,7 @@ def train_async(
 
     for worker in range(WORKERS):
         pull(worker, 0.0)
-    while sum(n for _, n in records) < args.ps_samples:
+    while len(records) * SHARE < args.ps_samples:
         now, worker = heapq.heappop(events)
         version_pulled, params = pulled[worker]
         inputs, targets = batches[steps[worker] % len(batches)]
@@ -140,9 +119,9 @@ def train_async(
             look.before_step()
         optimizer.step()
         version += 1
-        records.append((loss.item(), SHARE))
+        records.append(((len(records) + 1) * SHARE, loss.item(), SHARE))
         pull(worker, now)
-    return windowed(records)
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     count = max(args.samples, args.ps_samples) // GLOBAL_BATCH + 1
     vocab, batches = global_batches(str(args.data_dir), MODEL["block_size"], GLOBAL_BATCH, count)
     dp = train_dp(batches, vocab, args.lr, args.samples)
-    target = loss_at(dp, int(0.8 * args.samples))
-    dp_needs = samples_to(dp, target)
+    target = windowed_loss_at(dp, 0.8 * args.samples, WINDOW)
+    dp_needs = time_to_target(dp, target, WINDOW)  # timed in samples: samples to the target
     print(
         f"torch {torch.__version__}; gpt, {WORKERS} simulated workers, worker 1 "
         f"{args.slowdown:g}x slower, Adam {args.lr:g}; target loss {target:.3f} (dp's at 80% "
@@ -168,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| variant | loss at dp's samples | samples to the target | vs dp |")
     print("|---|---|---|---|")
-    print(f"| dp | {loss_at(dp, args.samples):.3f} | {dp_needs} | 1.00x |")
+    print(f"| dp | {windowed_loss_at(dp, args.samples, WINDOW):.3f} | {dp_needs} | 1.00x |")
     for name in args.variants:
         policy, lookahead = VARIANTS[name]
         curves = [train_async(batches, vocab, args, policy, lookahead, s) for s in args.seeds]
-        losses = [loss_at(curve, args.samples) for curve in curves]
-        needs = [samples_to(curve, target) for curve in curves]
+        losses = [windowed_loss_at(curve, args.samples, WINDOW) for curve in curves]
+        needs = [time_to_target(curve, target, WINDOW) for curve in curves]
         reached = [n for n in needs if n is not None]
         need = statistics.median(reached) if len(reached) == len(needs) else None
         ratio = "-" if need is None or not dp_needs else f"{need / dp_needs:.2f}x"

@@ -157,7 +157,8 @@ class ParameterServerEngine(Engine):
         self.staleness_lr = check_policy(staleness_lr)
         if not isinstance(lookahead, bool):
             raise ValueError(f"lookahead must be True or False, not {lookahead!r}.")
-        self.lookahead = lookahead
+        # Whether step pulls look ahead: synchronous rounds never do (no push is stale).
+        self.lookahead = lookahead and self.staleness != 0
         self.transport = resolve_transport(transport)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
@@ -394,7 +395,7 @@ class ParameterServerEngine(Engine):
             "servers": self.servers,
             "staleness": self.staleness,
             "backup_workers": self.backup_workers,
-            "lookahead": self.lookahead and self.staleness != 0,
+            "lookahead": self.lookahead,
             "transport": self.transport,
         }
 
@@ -431,7 +432,7 @@ class ParameterServerEngine(Engine):
             "staleness": self.staleness,
             "staleness_lr": self.staleness_lr,
             "backup_workers": self.backup_workers,
-            "lookahead": self.lookahead and self.staleness != 0,
+            "lookahead": self.lookahead,
             "transport": self.transport,
             "mean_lr_factor": lead["mean_lr_factor"],
             "workers": self._workers,

@@ -131,8 +131,14 @@ def request_header(
     header = torch.zeros(REQUEST_FIELDS + flags, dtype=torch.float64)
     header[:REQUEST_FIELDS] = torch.tensor(
         [
-            *(float(op), clock, pulled, samples, float(lookahead)),
-            *(json_bytes, float(wait), float(skipped)),
+            float(op),
+            clock,
+            pulled,
+            samples,
+            float(lookahead),
+            json_bytes,
+            float(wait),
+            float(skipped),
         ],
         dtype=torch.float64,
     )
