@@ -33,8 +33,8 @@ import torch
 from bench_ps import DEFAULT_DATA, global_batches, time_to_target, windowed_loss_at
 
 from paratrain.models import build_model, loss_for
-from paratrain.parallel.parameter_server.lookahead import PullLookahead
-from paratrain.parallel.parameter_server.stale_lr import lr_factor
+from paratrain.parallel.ps.lookahead import PullLookahead
+from paratrain.parallel.ps.stale_lr import lr_factor
 
 WORKERS, SHARE, GLOBAL_BATCH, WINDOW = 4, 8, 32, 128
 MODEL = {"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}

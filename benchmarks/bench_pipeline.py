@@ -28,8 +28,7 @@ from torch import nn
 
 import paratrain
 from paratrain.models import build_model, loss_for
-from paratrain.timeline import measured_bubble, read_timeline, theoretical_bubble
-from paratrain.trainer import write_timeline
+from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline, theoretical_bubble
 
 # Layers of equal size, so that stages can be balanced at layer granularity and the bubble
 # compares with the theory, which assumes equal stages.
@@ -133,7 +132,7 @@ def bench_worker(
             runner.step(x, y)
     ours.engine.events.clear()
     medians = median_step_times(runners, batches, rounds=rounds, warmup=0)
-    write_timeline(ours.engine, run_dir)
+    ours.engine.write_timeline(run_dir, last_steps=ours.engine.steps_taken)
     return {
         "median_s": medians,
         "balance": ours.engine.balance,

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import paratrain
 from paratrain.data import build_dataset
 from paratrain.models import build_model, loss_for
-from paratrain.parallel.parameter_server.stale_lr import POLICIES
+from paratrain.parallel.ps.stale_lr import POLICIES
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data"

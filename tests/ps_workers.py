@@ -99,7 +99,7 @@ def straggler_timeline(steps: int, straggler_rank: int) -> list[tuple[str, float
     with each sleep's length; None on the other workers."""
     from types import SimpleNamespace
 
-    from paratrain.parallel.parameter_server import engine as ps_engine
+    from paratrain.parallel.ps import engine as ps_engine
 
     engine = workers.parity_engine(
         "ps", "mlp", "sgd", staleness=None, straggler={"rank": straggler_rank, "slowdown": 3.0}

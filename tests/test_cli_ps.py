@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 from paratrain.checkpoint import load_model_state, read_manifest
-from paratrain.cli import _ps_lines
 from paratrain.models import build_model
-from paratrain.parallel.parameter_server import shared_memory
-from paratrain.parallel.parameter_server.shared_memory import resolve_transport
+from paratrain.parallel.ps import ParameterServerEngine, shared_memory
+from paratrain.parallel.ps.shared_memory import resolve_transport
 from paratrain.report import read_metrics
 from tests.test_cli_train import SHARED_DATA, run_cli
 
@@ -144,7 +143,7 @@ def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():
         "pushes_per_s": {0: 3.0, 1: 1.0},
         "staleness_histogram": {0: 9, 3: 2},
     }
-    lines = _ps_lines({"ps": ps})
+    lines = ParameterServerEngine.summary_lines(ps)
     said = "staleness bound 0 (synchronous) with 1 backup worker(s): late pushes fold in"
     assert said in lines[0]
     assert "servers           1 (shared memory)" in lines[0]
@@ -163,5 +162,5 @@ def test_the_summary_says_when_pulls_look_ahead():
         "pushes_per_s": {0: 3.0},
         "staleness_histogram": {2: 5},
     }
-    line = _ps_lines({"ps": ps})[0]
+    line = ParameterServerEngine.summary_lines(ps)[0]
     assert line.endswith("lr / (staleness + 1) (mean factor 0.40), lookahead pulls"), line

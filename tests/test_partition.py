@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.layer_profile import LayerProfile, param_profiles, profile_layers
-from paratrain.parallel.partition import (
+from paratrain.parallel.pipeline.partition import (
     PartitionError,
     balance_by_cost,
     check_stages,

@@ -12,7 +12,7 @@ import paratrain
 from paratrain.cli import main
 from paratrain.models import build_model
 from paratrain.parallel.layers import LayerListError, LayerSlice, layer_list
-from paratrain.parallel.p2p import decode_header, encode_header
+from paratrain.parallel.pipeline.p2p import decode_header, encode_header
 from tests import workers
 from tests.test_cli_train import SHARED_DATA
 from tests.test_parity_dp import TOLERANCE, relative_error

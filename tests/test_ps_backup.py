@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.parallel.parameter_server.backup import check_backup_workers, quorum
+from paratrain.parallel.ps.backup import check_backup_workers, quorum
 from tests.test_ps_precision import push, shard_server, weight
 
 

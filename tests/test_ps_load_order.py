@@ -14,10 +14,10 @@ import time
 import torch
 
 import paratrain
-from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
-from paratrain.parallel.parameter_server.protocol import Op, encode_json, request_header
-from paratrain.parallel.parameter_server.server import ShardServer
-from paratrain.parallel.parameter_server.sharding import ParamSpec
+from paratrain.parallel.ps.optimizer_spec import describe_optimizer
+from paratrain.parallel.ps.protocol import Op, encode_json, request_header
+from paratrain.parallel.ps.server import ShardServer
+from paratrain.parallel.ps.sharding import ParamSpec
 
 
 def test_a_load_waits_for_the_initial_set_and_wins(tmp_path):

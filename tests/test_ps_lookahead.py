@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.parallel.parameter_server import shared_memory
-from paratrain.parallel.parameter_server.lookahead import PullLookahead
-from paratrain.parallel.parameter_server.protocol import (
+from paratrain.parallel.ps import shared_memory
+from paratrain.parallel.ps.lookahead import PullLookahead
+from paratrain.parallel.ps.protocol import (
     LOOKAHEAD_FIELD,
     Op,
     encode_json,
     request_header,
 )
-from paratrain.parallel.parameter_server.shared_memory import SharedRegion
+from paratrain.parallel.ps.shared_memory import SharedRegion
 from tests.test_ps_precision import push, shard_server, weight
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import paratrain
-from paratrain.parallel.parameter_server.shared_memory import (
+from paratrain.parallel.ps.shared_memory import (
     NAME_PREFIX,
     SHARED_DIR,
     resolve_transport,

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
-from paratrain.parallel.parameter_server.protocol import (
+from paratrain.parallel.precision import Precision
+from paratrain.parallel.ps.optimizer_spec import describe_optimizer
+from paratrain.parallel.ps.protocol import (
     SKIPPED_FIELD,
     Op,
     request_header,
 )
-from paratrain.parallel.parameter_server.server import ShardServer
-from paratrain.parallel.parameter_server.sharding import ParamSpec
-from paratrain.parallel.precision import Precision
+from paratrain.parallel.ps.server import ShardServer
+from paratrain.parallel.ps.sharding import ParamSpec
 from tests import mem_workers, ps_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 from tests.test_precision import BF16_TOLERANCE, FORCED, LOSS_TOLERANCE

@@ -8,22 +8,22 @@ import os
 import pytest
 import torch
 
-from paratrain.parallel.parameter_server import shared_memory
-from paratrain.parallel.parameter_server.protocol import (
+from paratrain.parallel.ps import shared_memory
+from paratrain.parallel.ps.protocol import (
     Op,
     ShardLayout,
     encode_json,
     request_header,
 )
-from paratrain.parallel.parameter_server.sharding import ParamSpec
-from paratrain.parallel.parameter_server.shared_memory import (
+from paratrain.parallel.ps.sharding import ParamSpec
+from paratrain.parallel.ps.shared_memory import (
     NAME_PREFIX,
     SHARED_DIR,
     SharedRegion,
     region_bytes,
     resolve_transport,
 )
-from paratrain.parallel.parameter_server.worker_buffers import CopiedBuffers, MappedBuffers
+from paratrain.parallel.ps.worker_buffers import CopiedBuffers, MappedBuffers
 from tests.test_ps_precision import shard_server, weight
 
 pytestmark = pytest.mark.skipif(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.parallel.parameter_server.stale_lr import (
+from paratrain.parallel.ps.stale_lr import (
     check_policy,
     lr_factor,
     scaled_learning_rate,

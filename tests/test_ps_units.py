@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.parallel.parameter_server.engine import check_straggler
-from paratrain.parallel.parameter_server.optimizer_spec import build_optimizer, describe_optimizer
-from paratrain.parallel.parameter_server.protocol import ShardLayout
-from paratrain.parallel.parameter_server.sharding import ParamSpec, assign_shards
-from paratrain.parallel.parameter_server.staleness import StalenessBook, check_bound
+from paratrain.parallel.ps.engine import check_straggler
+from paratrain.parallel.ps.optimizer_spec import build_optimizer, describe_optimizer
+from paratrain.parallel.ps.protocol import ShardLayout
+from paratrain.parallel.ps.sharding import ParamSpec, assign_shards
+from paratrain.parallel.ps.staleness import StalenessBook, check_bound
 from tests import workers
 
 
@@ -57,7 +57,7 @@ def test_layout_packs_mixed_dtypes_and_missing_gradients():
 
 
 def test_a_pull_sees_parameters_set_at_the_same_version():
-    from paratrain.parallel.parameter_server.protocol import Op, request_header
+    from paratrain.parallel.ps.protocol import Op, request_header
     from tests.test_ps_precision import shard_server
 
     server = shard_server(staleness=None)

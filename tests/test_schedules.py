@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.parallel.schedules import (
+from paratrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
     ScheduleDeadlock,

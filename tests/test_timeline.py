@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.timeline import (
+from paratrain.parallel.pipeline.timeline import (
     StageEvent,
     TimelineError,
     chrome_trace,
@@ -23,7 +23,7 @@ from paratrain.timeline import (
     theoretical_bubble,
     write_chrome_trace,
 )
-from paratrain.timeline_report import draw_timeline, report, summarize
+from paratrain.parallel.pipeline.timeline_report import draw_timeline, report, summarize
 
 
 def gpipe_order(stages: int, micro: int) -> list[list[tuple[str, int]]]:

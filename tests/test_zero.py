@@ -13,10 +13,10 @@ from torch import nn
 import paratrain
 from paratrain.checkpoint import Checkpoint
 from paratrain.models import build_model, count_parameters, loss_for
-from paratrain.parallel.zero_optim import check_sharded_optimizer
-from paratrain.parallel.zero_shards import FlatUnit, ZeroLayoutError
+from paratrain.parallel.zero.optim import check_sharded_optimizer
+from paratrain.parallel.zero.shards import FlatUnit, ZeroLayoutError
 from tests import workers, zero_workers
-from tests.test_parity_dp import TOLERANCE, relative_error
+from tests.test_parity_dp import TOLERANCE, low_precision_tolerance, relative_error
 
 GPT = {"vocab_size": 65, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}
 PARAMS = count_parameters(build_model("gpt", **GPT))
@@ -179,17 +179,20 @@ def test_mixed_precision_agrees_with_dp_and_ledger_leaves_out_gathered_parameter
     """Under fp16 each rank sees only its gradient slices, yet all ranks skip the same
     steps as dp; bf16 trains like dp. Stage 3's saved activations equal stage 2's: the
     parameters it gathers for a layer are not counted as activations."""
-    results = paratrain.launch(zero_workers.precision_worker, devices=2, args=(6,))
+    steps = 6
+    results = paratrain.launch(zero_workers.precision_worker, devices=2, args=(steps,))
     for rank_results in results:
         for name in ("bf16", "fp16"):
             dp = rank_results[f"dp/{name}"]
+            bound = low_precision_tolerance(name, steps)
             if name == "fp16":
                 assert dp["skipped"][0] == 1 and dp["skipped"][-1] < 6  # some skip, some step
             for strategy in zero_workers.STAGES:
                 ours = rank_results[f"{strategy}/{name}"]
                 assert ours["skipped"] == dp["skipped"] and ours["scales"] == dp["scales"]
-                assert relative_error(ours["state"], dp["state"]) <= 1e-4, (strategy, name)
-                assert ours["losses"] == pytest.approx(dp["losses"], rel=1e-4)
+                error = relative_error(ours["state"], dp["state"])
+                assert error <= bound, (strategy, name, error)
+                assert ours["losses"] == pytest.approx(dp["losses"], rel=bound)
         peaks = {s: rank_results[f"{s}/bf16"]["activation_peak"] for s in zero_workers.STAGES}
         assert peaks["zero3"] == peaks["zero2"] == peaks["zero1"] > 0, peaks
 

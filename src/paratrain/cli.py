@@ -13,20 +13,26 @@ from dataclasses import MISSING, fields
 
 from paratrain.checkpoint import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
+from paratrain.parallel import strategy_class, strategy_names
+from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
 from paratrain.report import format_bytes
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
-from paratrain.timeline import TimelineError
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per TrainConfig field; the strategies' own options in a group of their own."""
     kinds = field_types()
+    strategy_group = parser.add_argument_group(
+        "strategy options", "each applies to the strategies named in its help"
+    )
     for item in fields(TrainConfig):
+        target = strategy_group if item.metadata.get("strategies") else parser
         flag = "--" + item.name.replace("_", "-")
         default = item.default if item.default is not MISSING else None
         help_text = f"{item.metadata.get('help', '')} (default: {default})"
         if kinds[item.name] is bool:
-            parser.add_argument(
+            target.add_argument(
                 flag,
                 dest=item.name,
                 default=None,
@@ -34,7 +40,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            parser.add_argument(
+            target.add_argument(
                 flag, dest=item.name, default=None, metavar=item.name.upper(), help=help_text
             )
 
@@ -48,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
     _add_config_flags(train)
     report = commands.add_parser(
-        "report", help="summarise a run; for pipeline runs draw the timeline and write a trace"
+        "report",
+        help="summarise a run; where its strategy recorded a timeline, draw it and write a trace",
     )
     report.add_argument("run_dir", help="the run's folder (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="where to write pictures (default: run_dir)")
@@ -72,28 +79,12 @@ def _per_worker(label: str, values: list) -> list[str]:
     return [f"  {label:<18}{joined}"]
 
 
-def _ps_lines(extra: dict) -> list[str]:
-    """ps runs: servers, each worker's pushes per second, the staleness histogram, losses."""
-    ps = extra.get("ps")
-    if ps is None:
-        return []
-    bound = "none (asynchronous)" if ps["staleness"] is None else ps["staleness"]
-    rates = ", ".join(f"worker {w}: {r:.1f}" for w, r in sorted(ps["pushes_per_s"].items()))
-    histogram = ", ".join(f"{s}: {n}" for s, n in sorted(ps["staleness_histogram"].items()))
-    backup = ps.get("backup_workers", 0)
-    transport = ps.get("transport", "gloo").replace("_", " ")
-    if backup:
-        bound = f"{bound} (synchronous) with {backup} backup worker(s): late pushes fold in"
-    if ps.get("staleness_lr") == "inverse" and (ps["staleness"] != 0 or backup):
-        bound = f"{bound}, lr / (staleness + 1) (mean factor {ps['mean_lr_factor']:.2f})"
-    if ps.get("lookahead"):
-        bound = f"{bound}, lookahead pulls"
-    lines = [
-        f"  servers           {ps['servers']} ({transport}), staleness bound {bound}",
-        f"  pushes/s          {rates}",
-        f"  push staleness    {histogram} (applied pushes by versions behind)",
-    ]
-    for rank, reason in sorted(extra.get("lost_workers", {}).items()):
+def _strategy_lines(result) -> list[str]:
+    """What the run's strategy reports of itself, then any worker the run lost."""
+    strategy = result.config.strategy
+    metrics = result.extra.get(strategy)
+    lines = strategy_class(strategy).summary_lines(metrics) if metrics else []
+    for rank, reason in sorted(result.extra.get("lost_workers", {}).items()):
         lines.append(f"  lost worker       {rank}: {reason}")
     return lines
 
@@ -139,7 +130,7 @@ def format_summary(result) -> str:
     lines += _per_worker("ledger peak", [m.get("peak_total") for m in result.memory])
     if result.memory and result.memory[0].get("budget") is not None:
         lines.append(f"  memory budget     {format_bytes(result.memory[0]['budget'])} per worker")
-    lines += _ps_lines(result.extra)
+    lines += _strategy_lines(result)
     lines += [f"  checkpoint        {result.checkpoint}", f"  metrics           {result.metrics}"]
     if result.sample_text is not None:
         lines += ["  sample:", *("    " + line for line in result.sample_text.splitlines())]
@@ -160,20 +151,39 @@ def _train(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from paratrain.report import summarize_metrics
-    from paratrain.timeline import TIMELINE_FILE
-    from paratrain.timeline_report import report, summarize
+    from paratrain.report import read_metrics, summarize_metrics
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / TIMELINE_FILE).exists():
+    metrics_file = run_dir / "metrics.jsonl"
+    if not metrics_file.exists() and not (run_dir / TIMELINE_FILE).exists():
         raise ConfigError(f"{run_dir} holds no metrics.jsonl; pass the folder of a paratrain run.")
-    if (run_dir / "metrics.jsonl").exists():
-        print(summarize_metrics(run_dir / "metrics.jsonl"))
+    strategy = None
+    if metrics_file.exists():
+        print(summarize_metrics(metrics_file))
+        configs = [r for r in read_metrics(metrics_file) if r.get("kind") == "config"]
+        strategy = configs[0]["config"].get("strategy") if configs else None
     if (run_dir / TIMELINE_FILE).exists():
-        print(summarize(run_dir))
-        for kind, path in report(run_dir, out_dir=args.out).items():
+        recorder = _timeline_recorder(strategy)
+        try:  # a timeline that cannot be read is refused with the reader's sentence
+            print(recorder.summarize_timeline(run_dir))
+            drawn = recorder.report_timeline(run_dir, out_dir=args.out)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        for kind, path in drawn.items():
             print(f"  {kind:<20}{path}")
     return 0
+
+
+def _timeline_recorder(strategy: str | None):
+    """The engine class that draws a run's timeline: the run's own strategy where it
+    records one, else the first registered strategy that does."""
+    recorders = [
+        strategy_class(name)
+        for name in strategy_names()
+        if issubclass(strategy_class(name), RecordsTimeline)
+    ]
+    by_name = {cls.name: cls for cls in recorders}
+    return by_name.get(strategy, recorders[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from paratrain.checkpoint_cli import export_command, inspect_command
 
             return (inspect_command if args.ckpt_command == "inspect" else export_command)(args)
-    except (ConfigError, TimelineError, CheckpointError) as error:
+    except (ConfigError, CheckpointError) as error:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:

@@ -3,6 +3,10 @@
 Why a dataclass and not free-form dicts: a misspelt key in a config file must fail loudly
 before any worker starts ("unknown key 'lrr'"), and the command line, the TOML file and
 the Python API must all mean the same thing by each name.
+
+``RunSettings`` holds what every run has; ``TrainConfig`` adds one field per option the
+registered strategies declare (``paratrain.parallel.options.StrategyOption``), so a new
+strategy's options become flags and TOML keys without an edit here.
 """
 
 from __future__ import annotations
@@ -15,8 +19,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from paratrain.parallel.parameter_server.shared_memory import TRANSPORTS as PS_TRANSPORTS
-from paratrain.parallel.parameter_server.stale_lr import POLICIES as STALENESS_LR_POLICIES
+from paratrain.parallel import (
+    declared_options,
+    default_strategy,
+    strategy_class,
+    strategy_names,
+)
+from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.precision import PRECISIONS
 from paratrain.runtime.units import parse_size
 
@@ -31,8 +40,8 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class TrainConfig:
-    """Everything ``paratrain train`` needs; each field is also a ``--flag`` and a TOML key."""
+class RunSettings:
+    """What every run has, whatever its strategy; each field is a ``--flag`` and a TOML key."""
 
     model: str = field(default="gpt", metadata={"help": "mlp, lenet or gpt"})
     dataset: str = field(
@@ -40,7 +49,7 @@ class TrainConfig:
         metadata={"help": "shakespeare, fashion_mnist, synthetic, synthetic_images, ..."},
     )
     strategy: str = field(
-        default="dp", metadata={"help": "single, dp, zero1, zero2, zero3, pipeline or ps"}
+        default=default_strategy(), metadata={"help": ", ".join(strategy_names())}
     )
     devices: int | None = field(
         default=None, metadata={"help": "workers to start (default: GPUs, else min(4, cores))"}
@@ -59,71 +68,12 @@ class TrainConfig:
     n_embd: int = field(default=128, metadata={"help": "embedding width (gpt)"})
     hidden: int = field(default=256, metadata={"help": "hidden width (mlp)"})
     depth: int = field(default=3, metadata={"help": "hidden layers (mlp)"})
-    bucket_mb: float = field(
-        default=25.0, metadata={"help": "all-reduce bucket size (dp, zero1, zero2)"}
-    )
-    stages: int = field(default=2, metadata={"help": "pipeline stages (pipeline)"})
-    micro_batches: int | None = field(
-        default=None, metadata={"help": "micro-batches per step (pipeline; default 2 x stages)"}
-    )
-    schedule: str = field(default="1f1b", metadata={"help": "1f1b or gpipe (pipeline)"})
-    balance: str | None = field(
-        default=None, metadata={"help": "layers per stage, e.g. 2,3,3 (pipeline)"}
-    )
-    balance_by: str = field(
-        default="params", metadata={"help": "params, time or memory (pipeline)"}
-    )
-    recompute: bool = field(
-        default=False,
-        metadata={"help": "recompute activations in backward (single, dp, pipeline, zero1-3)"},
-    )
     precision: str = field(
         default="fp32", metadata={"help": "fp32, bf16 or fp16 (autocast; fp16 scales the loss)"}
     )
     memory_per_device: str | None = field(
         default=None,
         metadata={"help": "memory budget per worker, e.g. 2GiB (a CPU worker acts that size)"},
-    )
-    servers: int = field(default=1, metadata={"help": "parameter-server processes (ps)"})
-    staleness: int | None = field(
-        default=0,
-        metadata={
-            "help": "steps a worker may run ahead of the slowest (ps; 0 = synchronous, "
-            "none = asynchronous)",
-            "none_allowed": True,
-        },
-    )
-    staleness_lr: str = field(
-        default="inverse",
-        metadata={
-            "help": "ps: inverse divides a push's learning rate by its staleness + 1, "
-            "constant applies every push at --lr"
-        },
-    )
-    backup_workers: int = field(
-        default=0,
-        metadata={
-            "help": "ps with --staleness 0: a version needs only the first N - this many "
-            "workers' pushes; later ones fold into the next (no waiting for stragglers)"
-        },
-    )
-    lookahead: bool = field(
-        default=True,
-        metadata={
-            "help": "ps, asynchronous or bounded: a step's pull returns the parameters "
-            "extrapolated to where they will be when its push lands"
-        },
-    )
-    transport: str = field(
-        default="auto",
-        metadata={
-            "help": "ps: how pushes and pulls travel: auto (shared memory where the host has "
-            "/dev/shm, else gloo), shared_memory or gloo"
-        },
-    )
-    straggler: str | None = field(
-        default=None,
-        metadata={"help": "RANK:SLOWDOWN, e.g. 1:3 makes worker 1 three times slower (ps)"},
     )
     eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
     eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
@@ -157,12 +107,9 @@ class TrainConfig:
             ("log_every", 1),
             ("eval_every", 0),
             ("sample_chars", 0),
-            ("stages", 1),
             ("checkpoint_every", 0),
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
-            ("servers", 1),
-            ("backup_workers", 0),
         ):
             value = getattr(self, name)
             if value < minimum:
@@ -173,23 +120,6 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, not {self.lr}.")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, not {self.timeout}.")
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise ConfigError(f"micro_batches must be at least 1, not {self.micro_batches}.")
-        self.balance_list()
-        if self.staleness is not None and self.staleness < 0:
-            raise ConfigError(
-                f"staleness must be at least 0 (or none for asynchronous), not {self.staleness}."
-            )
-        if self.staleness_lr not in STALENESS_LR_POLICIES:
-            raise ConfigError(
-                f"staleness_lr must be {' or '.join(STALENESS_LR_POLICIES)}, not "
-                f"{self.staleness_lr!r}."
-            )
-        if self.transport not in PS_TRANSPORTS:
-            raise ConfigError(
-                f"transport must be one of {', '.join(PS_TRANSPORTS)}, not {self.transport!r}."
-            )
-        self.straggler_setting()
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise ConfigError(f"optimizer must be sgd, adam or adamw, not {self.optimizer!r}.")
         if self.precision not in PRECISIONS:
@@ -200,37 +130,61 @@ class TrainConfig:
             parse_size(self.memory_per_device)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self._check_strategy_options()
 
-    def straggler_setting(self) -> dict[str, float | int] | None:
-        """``straggler`` ("1:3") as the ps engine's ``{"rank": 1, "slowdown": 3.0}``."""
-        if self.straggler is None:
-            return None
-        rank, _, slowdown = self.straggler.partition(":")
-        try:
-            setting = {"rank": int(rank), "slowdown": float(slowdown)}
-        except ValueError:
-            setting = None
-        if setting is None or setting["rank"] < 0 or setting["slowdown"] < 1:
-            raise ConfigError(
-                f"straggler must be RANK:SLOWDOWN with a slowdown of at least 1, such as 1:3, "
-                f"not {self.straggler!r}."
-            )
-        return setting
+    def _check_strategy_options(self) -> None:
+        """Each strategy option's value, and no option of another strategy left set."""
+        for name, (option, users) in declared_options().items():
+            value = getattr(self, name)
+            try:
+                option.check(value)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+            if value != option.default and self.strategy not in users:
+                flag = option.flag if value is not False else "--no-" + option.flag[2:]
+                owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
+                raise ConfigError(
+                    f"{flag} is a {owners} option; pass --strategy {users[0]} or drop {flag}."
+                )
 
-    def balance_list(self) -> list[int] | None:
-        """``balance`` ("2,3,3") as a list of layer counts."""
-        if self.balance is None:
-            return None
-        try:
-            return [int(part) for part in self.balance.split(",")]
-        except ValueError:
-            raise ConfigError(
-                f"balance must be comma-separated layer counts such as 2,3,3, not {self.balance!r}."
-            ) from None
+    def strategy_options(self) -> dict[str, Any]:
+        """The chosen strategy's own options, as its engine takes them (``"2,3,3"`` for
+        pipeline ``balance`` becomes ``[2, 3, 3]``); none for an unknown strategy."""
+        if self.strategy not in strategy_names():
+            return {}
+        return {
+            option.name: option.engine_value(getattr(self, option.name))
+            for option in strategy_class(self.strategy).options
+        }
 
 
-def field_types(cls: type = TrainConfig) -> dict[str, type]:
+def _option_field(option: StrategyOption, users: list[str]) -> tuple[str, Any, Any]:
+    """A dataclass field for a strategy option; its help names the strategies taking it."""
+    choices = f": {', '.join(map(str, option.choices))}" if option.choices else ""
+    metadata = {
+        "help": f"{option.help}{choices} ({', '.join(users)})",
+        "none_allowed": option.none_allowed,
+        "strategies": tuple(users),
+    }
+    kind = option.kind if option.default is not None else option.kind | None
+    return option.name, kind, field(default=option.default, metadata=metadata)
+
+
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig",
+    [_option_field(option, users) for option, users in declared_options().values()],
+    bases=(RunSettings,),
+    namespace={
+        "__doc__": "Everything ``paratrain train`` needs: the settings of every run, then "
+        "each registered strategy's options. Every field is a ``--flag`` and a TOML key."
+    },
+)
+TrainConfig.__module__ = __name__  # pickled by name into spawned workers
+
+
+def field_types(cls: type | None = None) -> dict[str, type]:
     """Each field's base type (``int | None`` -> ``int``), for parsing and validation."""
+    cls = cls or TrainConfig
     hints = typing.get_type_hints(cls)
     result = {}
     for item in fields(cls):

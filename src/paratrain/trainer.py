@@ -9,7 +9,6 @@ summary, including a text sample generated from the saved checkpoint for ``gpt``
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -26,12 +25,8 @@ from paratrain.checkpoint import read_manifest
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
 from paratrain.models import MODEL_NAMES, build_model, loss_for
-from paratrain.parallel import strategy_names
-from paratrain.parallel.batching import check_divisible
-from paratrain.parallel.fit_advice import advice, parameter_share
-from paratrain.parallel.parameter_server.backup import check_backup_workers
-from paratrain.parallel.parameter_server.shared_memory import resolve_transport
-from paratrain.parallel.partition import check_stages, validate_balance
+from paratrain.parallel import RunSpec, strategy_class, strategy_names
+from paratrain.parallel.fit_advice import advice
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter, format_bytes
 from paratrain.resume import (
@@ -45,21 +40,10 @@ from paratrain.resume import (
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
-from paratrain.runtime.mesh import check_degrees
 from paratrain.runtime.units import parse_size
-from paratrain.timeline import TIMELINE_FILE
 
 _TOKEN_MODELS = ("gpt",)
 _IMAGE_MODELS = ("lenet",)
-_STRATEGY_OPTIONS = {
-    "single": ("recompute",),
-    "dp": ("bucket_mb", "recompute"),
-    "pipeline": ("stages", "micro_batches", "schedule", "balance_by", "recompute", "bucket_mb"),
-    "ps": ("servers", "staleness", "staleness_lr", "backup_workers", "lookahead", "transport"),
-    "zero1": ("bucket_mb", "recompute"),
-    "zero2": ("bucket_mb", "recompute"),
-    "zero3": ("recompute",),
-}
 _TIMELINE_STEPS = 200  # the timeline file keeps the last this-many steps
 
 
@@ -88,8 +72,12 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def validate(config: TrainConfig) -> int:
-    """Refuse what cannot work before any worker starts; returns the device count."""
+def validate(config: TrainConfig, bundle: DatasetBundle | None = None) -> int:
+    """Refuse what cannot work before any worker starts; returns the device count.
+
+    Every strategy is asked the same question (``Engine.check_run``); with the dataset's
+    ``bundle`` the strategy may also check the model (on the meta device, no weights).
+    """
     if config.model not in MODEL_NAMES:
         raise ConfigError(
             f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
@@ -99,68 +87,30 @@ def validate(config: TrainConfig) -> int:
             f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
         )
     devices = config.devices or default_device_count()
-    if config.strategy == "single" and devices != 1:
-        raise ConfigError(
-            f"strategy 'single' trains on one device, but devices={devices}; "
-            "pass --devices 1 or choose --strategy dp."
-        )
-    check_ps(config, devices)
-    data_parallel = config.strategy in ("dp", "zero1", "zero2", "zero3", "ps")
-    replicas, micro = devices if data_parallel else 1, config.gradient_accumulation
     try:
-        if config.strategy == "pipeline":
-            replicas = check_degrees(devices, stages=config.stages)
-            micro *= config.micro_batches or 2 * config.stages
-        check_divisible(config.global_batch, replicas=replicas, micro_batches=micro)
+        strategy_class(config.strategy).check_run(run_spec(config, devices, bundle))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return devices
 
 
-def check_ps(config: TrainConfig, devices: int) -> None:
-    """The ps options against where and how the run starts."""
-    if config.strategy == "ps" and in_external_job():
-        raise ConfigError(
-            "strategy 'ps' is not supported under torchrun/Slurm (it starts its own server "
-            "processes and needs paratrain's launcher to outlive a lost worker); run "
-            "`paratrain train` directly, or use --strategy dp."
-        )
-    straggler = config.straggler_setting()
-    if straggler is not None and config.strategy != "ps":
-        raise ConfigError("--straggler is a ps option; pass --strategy ps or drop --straggler.")
-    if straggler is not None and straggler["rank"] >= devices:
-        raise ConfigError(
-            f"--straggler names worker {straggler['rank']}, but the run has {devices} "
-            f"worker(s) (0..{devices - 1})."
-        )
-    if config.backup_workers and config.strategy != "ps":
-        raise ConfigError(
-            "--backup-workers is a ps option; pass --strategy ps or drop --backup-workers."
-        )
-    if not config.lookahead and config.strategy != "ps":
-        raise ConfigError("--no-lookahead is a ps option; pass --strategy ps or drop it.")
-    if config.transport != "auto" and config.strategy != "ps":
-        raise ConfigError("--transport is a ps option; pass --strategy ps or drop --transport.")
-    if config.strategy == "ps":
-        try:
-            check_backup_workers(config.backup_workers, config.staleness, devices)
-            resolve_transport(config.transport)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+def run_spec(config: TrainConfig, devices: int, bundle: DatasetBundle | None = None) -> RunSpec:
+    """The run as the strategy sees it before any worker starts."""
 
+    def build_meta_model():
+        with torch.device("meta"):
+            return build_model(config.model, **model_options(config, bundle))
 
-def check_layers(config: TrainConfig, bundle: DatasetBundle) -> None:
-    """Pipeline stages against the model's layer count, on a weightless (meta) copy."""
-    if config.strategy != "pipeline":
-        return
-    with torch.device("meta"):
-        layers = len(build_model(config.model, **model_options(config, bundle)))
-    try:
-        check_stages(layers, config.stages)
-        if config.balance_list() is not None:
-            validate_balance(config.balance_list(), layers=layers, stages=config.stages)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    return RunSpec(
+        devices=devices,
+        global_batch=config.global_batch,
+        gradient_accumulation=config.gradient_accumulation,
+        options=config.strategy_options(),
+        external_job=in_external_job(),
+        timeout_s=config.timeout,
+        build_model=build_meta_model if bundle is not None else None,
+        sample_inputs=(lambda n: bundle.train[:n][0]) if bundle is not None else None,
+    )
 
 
 def check_memory(config: TrainConfig, bundle: DatasetBundle, devices: int) -> None:
@@ -176,7 +126,7 @@ def check_memory(config: TrainConfig, bundle: DatasetBundle, devices: int) -> No
     with torch.device("meta"):
         model = build_model(config.model, **model_options(config, bundle))
     parameters = list(dict.fromkeys(model.parameters()))
-    share = parameter_share(config.strategy, workers=devices, stages=config.stages)
+    share = strategy_class(config.strategy).parameter_share(devices, config.strategy_options())
     if share is None:
         return
     held = sum(p.numel() * p.element_size() for p in parameters) * share
@@ -267,7 +217,7 @@ def fit(config: TrainConfig) -> RunResult:
     devices = validate(config)
     bundle = load_data(config)
     check_pairing(config, bundle)
-    check_layers(config, bundle)
+    validate(config, bundle)
     check_memory(config, bundle, devices)
     resume_from = find_checkpoint(config.resume) if config.resume else None
     saved_step = read_manifest(resume_from).get("step", 0) if resume_from else 0
@@ -303,8 +253,10 @@ def fit(config: TrainConfig) -> RunResult:
         skipped_steps=lead["skipped_steps"],
         loss_scale=lead["loss_scale"],
     )
-    if config.strategy == "ps":
-        _ps_result(result, [r for r in reports if r["rank"] is not None], lost)
+    if strategy_class(config.strategy).independent_workers:
+        _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
+    if config.strategy in lead:  # what the engine's run_metrics() returned
+        result.extra[config.strategy] = lead[config.strategy]
     if config.model == "gpt" and config.sample_chars:
         from paratrain.sampling import sample_text
 
@@ -323,68 +275,45 @@ def _lost_report(lead: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ps_result(result: RunResult, live: list[dict[str, Any]], lost: dict[int, str]) -> None:
-    """ps: every worker trains at its own pace on its share, so the run's throughput is the
-    sum of the workers' and its train loss the mean of their last shares' losses. Each
-    worker skips its own overflowing fp16 pushes, so skipped steps add up too."""
+def _independent_result(
+    result: RunResult, live: list[dict[str, Any]], lost: dict[int, str]
+) -> None:
+    """Workers that never wait on each other (ps) train at their own pace on their shares,
+    so the run's throughput is the sum of the workers' and its train loss the mean of their
+    last shares' losses. Each worker skips its own overflowing fp16 steps, so skipped steps
+    add up too."""
     result.samples_per_s = sum(r["samples_per_s"] for r in live)
     result.skipped_steps = sum(r["skipped_steps"] for r in live)
     result.final_train_loss = sum(r["final_train_loss"] for r in live) / len(live)
-    result.extra["ps"] = live[0]["ps"]
     result.extra["lost_workers"] = lost
 
 
-def strategy_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, Any]:
-    """The engine's keywords from the config: strategy-specific ones, and shared ones.
+def strategy_options(config: TrainConfig, bundle: DatasetBundle | None) -> dict[str, Any]:
+    """The engine's keywords from the config: the strategy's own options, what the run adds
+    to them (``Engine.launch_options``), and the shared ones.
 
     The shared options every engine takes (precision, memory_per_device) are passed only
     when they differ from the engines' defaults, which keeps a user's custom engine that
     predates them working.
     """
-    options = {k: getattr(config, k) for k in _STRATEGY_OPTIONS.get(config.strategy, ())}
+    options = config.strategy_options()
+    devices = comm.world_size() if comm.distributed() else (config.devices or 1)
+    options.update(
+        strategy_class(config.strategy).launch_options(run_spec(config, devices, bundle))
+    )
     if config.precision != "fp32":
         options["precision"] = config.precision
     if config.memory_per_device is not None:
         options["memory_per_device"] = config.memory_per_device
-    if config.strategy == "ps":
-        options["timeout_s"] = config.timeout
-        if config.straggler is not None:
-            options["straggler"] = config.straggler_setting()
-    if config.strategy == "pipeline":
-        options["balance"] = config.balance_list()
-        if config.balance_by in ("time", "memory"):
-            micro = config.micro_batches or 2 * config.stages
-            size = max(1, config.global_batch // micro)
-            options["sample_input"] = bundle.train[:size][0]
     return options
-
-
-def write_timeline(engine, run_dir: str) -> None:
-    """Gather every worker's timeline events to rank 0, which writes ``timeline.jsonl``."""
-    first_step = engine.steps_taken - _TIMELINE_STEPS
-    identity = engine.timeline_identity()
-    own = {
-        "events": [{**identity, **e} for e in engine.events if e["step"] > first_step],
-        "peak": {**identity, "kind": "activation_peak", "bytes": engine.activation_peak_bytes()},
-    }
-    gathered = [None] * comm.world_size() if comm.rank() == 0 else None
-    dist.gather_object(own, gathered, dst=0)
-    if comm.rank() != 0:
-        return
-    with (Path(run_dir) / TIMELINE_FILE).open("w") as handle:
-        handle.write(json.dumps({"kind": "meta", **engine.timeline_meta()}) + "\n")
-        for part in gathered:
-            for event in part["events"]:
-                handle.write(json.dumps(event) + "\n")
-            handle.write(json.dumps(part["peak"]) + "\n")
 
 
 def write_memory(engine, metrics: MetricsWriter | None) -> list[dict[str, Any]]:
     """Gather every worker's memory ledger to rank 0, which writes one record per worker."""
     own = engine.memory.ledger.record()
     gathered = [own]
-    # ps workers never wait on one another (a lost worker would hang the gather).
-    if comm.distributed() and not getattr(engine, "independent_workers", False):
+    # Independent workers (ps) never wait on one another (a lost worker would hang it).
+    if comm.distributed() and not engine.independent_workers:
         gathered = [None] * comm.world_size() if comm.rank() == 0 else None
         dist.gather_object(own, gathered, dst=0)
     if metrics:
@@ -469,14 +398,13 @@ def train_worker(
     if bar is not None:
         bar.close()
     if isinstance(engine, RecordsTimeline):
-        write_timeline(engine, run_dir)
-    if config.strategy == "ps":  # the final checkpoint holds every live worker's pushes
-        engine.finish(wait=True)
+        engine.write_timeline(run_dir, last_steps=_TIMELINE_STEPS)
+    engine.finish_training()
     checkpoint = Path(run_dir) / "final"
     engine.save_checkpoint(checkpoint, metadata=checkpoint_metadata(config, train_loader))
     write_memory(engine, metrics)
     total = time.perf_counter() - timed_from
-    ps = engine.ps_metrics() if config.strategy == "ps" else None
+    strategy_metrics = engine.run_metrics()
     report = {
         "rank": comm.rank(),
         "final_train_loss": stats.loss,
@@ -491,14 +419,13 @@ def train_worker(
         "loss_scale": stats.loss_scale,
         "checkpoint": str(checkpoint),
         "metrics": str(Path(run_dir) / "metrics.jsonl"),
-        **({"ps": ps} if ps is not None else {}),
+        **({engine.name: strategy_metrics} if strategy_metrics is not None else {}),
     }
     if metrics:
         skip = ("rank", "memory")  # memory has its own records, one per worker
         metrics.write("summary", **{k: v for k, v in report.items() if k not in skip})
         metrics.close()
-    if ps is not None:
-        engine.close()
+    engine.close()
     return report
 
 

@@ -1,13 +1,30 @@
-"""Parallel strategies behind one Engine interface; importing registers them all."""
+"""Parallel strategies behind one Engine interface; importing registers them all.
 
-from paratrain.parallel import (  # noqa: F401  (registration)
-    data_parallel,
-    parameter_server,
-    pipeline,
-    single,
-    zero,
-)
+The shared pieces (the contract, batching, precision, recompute, memory tracking,
+checkpoint hooks) sit here; each strategy is a package of its own (``dp``, ``zero``,
+``pipeline``, ``ps``) and the reference ``single`` is one module.
+"""
+
+from paratrain.parallel import dp, pipeline, ps, single, zero  # noqa: F401  (registration)
 from paratrain.parallel.batching import BatchSplitError
-from paratrain.parallel.strategy import Engine, StepStats, create_engine, strategy_names
+from paratrain.parallel.options import RunSpec, StrategyOption
+from paratrain.parallel.registry import (
+    declared_options,
+    default_strategy,
+    strategy_class,
+    strategy_names,
+)
+from paratrain.parallel.strategy import Engine, StepStats, create_engine
 
-__all__ = ["BatchSplitError", "Engine", "StepStats", "create_engine", "strategy_names"]
+__all__ = [
+    "BatchSplitError",
+    "Engine",
+    "RunSpec",
+    "StepStats",
+    "StrategyOption",
+    "create_engine",
+    "declared_options",
+    "default_strategy",
+    "strategy_class",
+    "strategy_names",
+]

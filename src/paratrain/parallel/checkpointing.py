@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,11 +26,45 @@ from paratrain.checkpoint import (
     write_shard,
 )
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
-from paratrain.parallel.strategy import ShardedCheckpointState
 from paratrain.runtime import comm
 
-if TYPE_CHECKING:
-    from paratrain.parallel.strategy import Engine
+
+class CheckpointHooks(Protocol):
+    """What saving and loading ask of an engine (``Engine`` provides defaults for all)."""
+
+    optimizer: torch.optim.Optimizer | None
+    steps_taken: int
+    device: torch.device
+
+    def named_local_state(self) -> dict[str, torch.Tensor]: ...
+    def named_local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+    def writes_shard(self) -> bool: ...
+    def covers_whole_model(self) -> bool: ...
+    def layout(self) -> dict[str, Any]: ...
+
+
+class ShardedCheckpointState:
+    """Mixin for engines whose tensors are flat slices that cut across parameters (ZeRO).
+
+    The default checkpoint hooks hand over whole live parameters; a flat slice is not one.
+    Such an engine instead gathers canonical tensors for the writer and, when loading,
+    takes its own slices, so its checkpoints keep the common format and load into any
+    engine at any device count (and any checkpoint loads into it).
+    """
+
+    def gather_checkpoint_state(
+        self,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """(model tensors, optimizer tensors by "name/key", optimizer groups), canonical.
+
+        Every worker calls it (it is collective); workers that do not write may get
+        empty results.
+        """
+        raise NotImplementedError
+
+    def load_checkpoint_state(self, checkpoint: Checkpoint) -> None:
+        """Take this worker's slices of the model and optimizer state from ``checkpoint``."""
+        raise NotImplementedError
 
 
 def _python_rng() -> list:
@@ -39,7 +73,7 @@ def _python_rng() -> list:
 
 
 def save_engine_checkpoint(
-    engine: Engine, directory: str | Path, *, metadata: dict[str, Any] | None = None
+    engine: CheckpointHooks, directory: str | Path, *, metadata: dict[str, Any] | None = None
 ) -> Path:
     """Every worker calls this; returns the published checkpoint folder."""
     directory, rank = Path(directory), comm.rank()
@@ -94,7 +128,7 @@ def save_engine_checkpoint(
     return directory
 
 
-def load_engine_checkpoint(engine: Engine, directory: str | Path) -> Checkpoint:
+def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Checkpoint:
     """Every worker calls this; each takes, by name, the state its layout now needs."""
     checkpoint = Checkpoint(directory)
     local = engine.named_local_state()
@@ -138,7 +172,7 @@ def load_engine_checkpoint(engine: Engine, directory: str | Path) -> Checkpoint:
     return checkpoint
 
 
-def _restore_rng(engine: Engine, checkpoint: Checkpoint) -> None:
+def _restore_rng(engine: CheckpointHooks, checkpoint: Checkpoint) -> None:
     """This rank's saved generator state, or rank 0's when the layout had fewer ranks."""
     rank = comm.rank()
     source = rank if f"torch_cpu/{rank}" in checkpoint.names("rng") else 0

@@ -32,9 +32,22 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from paratrain.parallel.options import StrategyOption
 from paratrain.runtime import comm
 
 MiB = 1024 * 1024
+
+
+def _positive_mb(size: float) -> float:
+    if not size > 0:
+        raise ValueError(f"bucket_mb must be positive, not {size!r}.")
+    return size
+
+
+BUCKET_MB = StrategyOption(
+    "bucket_mb", float, 25.0, "all-reduce bucket size in MiB", parse=_positive_mb
+)
+"""The option every engine that all-reduces gradients in buckets declares."""
 _SLOT_DTYPES = (torch.float32, torch.float64)
 
 

@@ -29,6 +29,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.layers import layer_list
+from paratrain.parallel.options import StrategyOption
+
+RECOMPUTE = StrategyOption(
+    "recompute",
+    bool,
+    False,
+    "recompute activations in backward: keep each layer's input only",
+)
+"""The option every engine that runs the layer list declares (one meaning for all)."""
 
 
 def segments(layers: nn.Sequential) -> list[nn.Sequential]:

@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
+from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
-from paratrain.parallel.recompute import recomputing_forward
-from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
+from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
+from paratrain.parallel.registry import register
+from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats
 
 
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -31,6 +33,17 @@ class SingleDeviceEngine(Engine):
 
     Options: ``recompute`` (keep only each layer's input for backward; see ``recompute``).
     """
+
+    options = (RECOMPUTE,)
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        if run.devices != 1:
+            raise ValueError(
+                f"strategy 'single' trains on one device, but devices={run.devices}; "
+                "pass --devices 1 or choose --strategy dp."
+            )
+        super().check_run(run)
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The Engine contract every strategy implements, and the name -> engine registry.
+"""The Engine contract every strategy implements, and what a strategy declares about itself.
 
 The trainer and the user's loop talk only to this interface, so they never ask which
 strategy runs them. An engine receives the GLOBAL batch on every rank and takes the share
@@ -8,6 +8,7 @@ it needs; it returns full state in canonical names (the single-device model's ow
 from __future__ import annotations
 
 import inspect
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -15,10 +16,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from paratrain.parallel.batching import check_divisible
+from paratrain.parallel.checkpointing import load_engine_checkpoint, save_engine_checkpoint
 from paratrain.parallel.memory_tracking import MemoryTracker
+from paratrain.parallel.options import RunSpec, StrategyOption
 from paratrain.parallel.precision import Precision
+from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 from paratrain.runtime.memory import model_state_bytes
@@ -55,7 +61,12 @@ class Engine(ABC):
     ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``) gives ``self.precision``
     (autocast, fp16 loss scaling); ``memory_per_device`` ("2GiB", bytes) gives the budget
     of ``self.memory``, the worker's memory ledger. An engine adopts both with a few calls
-    (see ``precision.py`` and ``memory_tracking.py``; ``data_parallel.py`` is the model).
+    (see ``precision.py`` and ``memory_tracking.py``; ``dp/engine.py`` is the model).
+
+    A strategy also answers, at class level and before any worker starts, what it takes
+    (``options``), what it refuses (``check_run``) and what a worker of it holds
+    (``parameter_share``, ``model_state_per_worker``): the trainer, the command line and
+    the out-of-memory advice ask every strategy the same questions.
     """
 
     name: ClassVar[str]
@@ -97,6 +108,86 @@ class Engine(ABC):
             total_parameters=total_parameters,
             candidates=strategy_names,
         )
+
+    # -- what the strategy declares: asked of the class, before any worker starts -----------
+
+    options: ClassVar[tuple[StrategyOption, ...]] = ()
+    """The strategy's own options (each also an ``__init__`` keyword): the command line's
+    flags and the run file's keys are generated from these."""
+
+    independent_workers: ClassVar[bool] = False
+    """True where no worker ever waits on another (ps): callers then never gather over the
+    default group (a lost worker would hang it), and the run's throughput is the sum of the
+    workers' own."""
+
+    default: ClassVar[bool] = False
+    """Whether a run that names no strategy takes this one (exactly one strategy does)."""
+
+    advice_rank: ClassVar[int | None] = None
+    """Where out-of-memory advice ranks this strategy, least sharded first (each step of
+    sharding costs communication); None: never suggested."""
+
+    @classmethod
+    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
+        """How many replicas split the global batch over ``devices`` workers."""
+        return devices
+
+    @classmethod
+    def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
+        """Micro-batches a replica splits its share into (beyond gradient accumulation)."""
+        return 1
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """Raise ``ValueError`` (one sentence saying what to change) for a run that cannot
+        work: by default, a global batch that the replicas and micro-batches do not split."""
+        check_divisible(
+            run.global_batch,
+            replicas=cls.replicas(run.devices, run.options),
+            micro_batches=run.gradient_accumulation * cls.micro_batches_per_step(run.options),
+        )
+
+    @classmethod
+    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
+        """Engine keywords the run adds beyond the declared options (a sample, a timeout)."""
+        return {}
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        """The smallest share of the parameters one worker holds (1.0: all of them)."""
+        return 1.0
+
+    @classmethod
+    def model_state_per_worker(
+        cls,
+        parameters: int,
+        workers: int,
+        options: dict[str, Any],
+        *,
+        weight: int = 4,
+        gradient: int = 4,
+        optimizer: int = 8,
+    ) -> float:
+        """Bytes of weights, gradients and optimizer state one worker holds, for
+        ``parameters`` parameters at the given bytes per parameter (fp32 Adam by default):
+        every replica holds all of it unless the strategy says otherwise."""
+        return (weight + gradient + optimizer) * parameters
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        """Lines the run summary adds for what ``run_metrics`` returned."""
+        return []
+
+    def run_metrics(self) -> dict[str, Any] | None:
+        """Strategy-specific figures for the run summary and metrics file (None: none)."""
+        return None
+
+    def finish_training(self) -> None:  # noqa: B027 (optional hook, nothing by default)
+        """Called by the trainer after the last step, before the final checkpoint."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook, nothing by default)
+        """Release what the engine started (processes, shared memory); the trainer calls
+        it once the run is over."""
 
     @property
     def device(self) -> torch.device:
@@ -160,8 +251,6 @@ class Engine(ABC):
         The folder appears atomically once complete; ``metadata`` (JSON) rides along, e.g.
         the data loader's position.
         """
-        from paratrain.parallel.checkpointing import save_engine_checkpoint
-
         if self.precision.scales_loss:  # the fp16 loss scale is the same on every worker
             metadata = {**(metadata or {}), "precision": self.precision.state_dict()}
         return save_engine_checkpoint(self, path, metadata=metadata)
@@ -171,8 +260,6 @@ class Engine(ABC):
 
         Returns the verified ``Checkpoint`` (its ``metadata`` holds what was saved with it).
         """
-        from paratrain.parallel.checkpointing import load_engine_checkpoint
-
         checkpoint = load_engine_checkpoint(self, path)
         saved = checkpoint.metadata.get("precision")
         if saved and saved.get("name") == self.precision.name:
@@ -203,14 +290,20 @@ class Engine(ABC):
         return {"strategy": self.name, "world_size": comm.world_size()}
 
 
+TIMELINE_FILE = "timeline.jsonl"
+"""The run folder's timeline of an engine that records one (``RecordsTimeline``)."""
+
+
 class RecordsTimeline:
     """Mixin for engines that time each forward and backward (pipeline schedules).
 
-    The trainer writes what these return to the run's ``timeline.jsonl``, which
-    ``paratrain report`` draws; engines without the mixin simply have no timeline.
+    The trainer calls ``write_timeline``, which writes the run's ``timeline.jsonl``; the
+    engine's strategy draws it in ``paratrain report``. Engines without the mixin simply
+    have no timeline.
     """
 
     events: list[dict[str, Any]]
+    steps_taken: int
 
     def timeline_meta(self) -> dict[str, Any]:
         """Header of the timeline file (schedule, stages, micro-batches, replicas)."""
@@ -224,48 +317,46 @@ class RecordsTimeline:
         """Peak bytes of activations held for backward on this worker."""
         raise NotImplementedError
 
-
-class ShardedCheckpointState:
-    """Mixin for engines whose tensors are flat slices that cut across parameters (ZeRO).
-
-    The default checkpoint hooks hand over whole live parameters; a flat slice is not one.
-    Such an engine instead gathers canonical tensors for the writer and, when loading,
-    takes its own slices, so its checkpoints keep the common format and load into any
-    engine at any device count (and any checkpoint loads into it).
-    """
-
-    def gather_checkpoint_state(
-        self,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict[str, Any]]]:
-        """(model tensors, optimizer tensors by "name/key", optimizer groups), canonical.
-
-        Every worker calls it (it is collective); workers that do not write may get
-        empty results.
-        """
+    @classmethod
+    def summarize_timeline(cls, run_dir: str | Path) -> str:
+        """The text ``paratrain report`` prints for a run's timeline."""
         raise NotImplementedError
 
-    def load_checkpoint_state(self, checkpoint: Any) -> None:
-        """Take this worker's slices of the model and optimizer state from ``checkpoint``."""
+    @classmethod
+    def report_timeline(
+        cls, run_dir: str | Path, *, out_dir: str | Path | None = None
+    ) -> dict[str, Path]:
+        """Write the run's timeline pictures and traces; returns what was written, by kind."""
         raise NotImplementedError
 
+    def write_timeline(self, run_dir: str | Path, *, last_steps: int) -> None:
+        """Gather every worker's events of the last ``last_steps`` steps to rank 0, which
+        writes ``timeline.jsonl`` into ``run_dir``; every worker calls it."""
+        first_step = self.steps_taken - last_steps
+        identity = self.timeline_identity()
+        own = {
+            "events": [{**identity, **e} for e in self.events if e["step"] > first_step],
+            "peak": {**identity, "kind": "activation_peak", "bytes": self.activation_peak_bytes()},
+        }
+        gathered = [None] * comm.world_size() if comm.rank() == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+        if comm.rank() != 0:
+            return
+        with (Path(run_dir) / TIMELINE_FILE).open("w") as handle:
+            handle.write(json.dumps({"kind": "meta", **self.timeline_meta()}) + "\n")
+            for part in gathered:
+                for event in part["events"]:
+                    handle.write(json.dumps(event) + "\n")
+                handle.write(json.dumps(part["peak"]) + "\n")
 
-_REGISTRY: dict[str, type[Engine]] = {}
 
-
-def register(name: str) -> Callable[[type[Engine]], type[Engine]]:
-    """Class decorator adding an engine to the registry under ``name``."""
-
-    def add(cls: type[Engine]) -> type[Engine]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-def strategy_names() -> list[str]:
-    """The names ``setup(strategy=...)`` accepts."""
-    return sorted(_REGISTRY)
+def require_process_group(strategy: str) -> None:
+    """Refuse a distributed strategy outside a launched job, saying what to do instead."""
+    if not comm.distributed():
+        raise RuntimeError(
+            f"strategy {strategy!r} needs worker processes: call paratrain.setup inside a "
+            "function run by paratrain.launch(...) or under torchrun, or use strategy='single'."
+        )
 
 
 def engine_options(cls: type[Engine]) -> list[str]:
@@ -282,11 +373,7 @@ def engine_options(cls: type[Engine]) -> list[str]:
 
 def create_engine(strategy: str, model: nn.Module, **options: Any) -> Engine:
     """Build the engine registered as ``strategy``, refusing unknown names and options."""
-    if strategy not in _REGISTRY:
-        raise ValueError(
-            f"unknown strategy {strategy!r}; choose one of: {', '.join(strategy_names())}."
-        )
-    cls = _REGISTRY[strategy]
+    cls = strategy_class(strategy)
     accepted = engine_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.zero_shards import FlatUnit
+from paratrain.parallel.zero.shards import FlatUnit
 from paratrain.runtime import comm
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.parallel.parameter_server.protocol import ShardLayout
+from paratrain.parallel.ps.protocol import ShardLayout
 
 SHARED_DIR = Path("/dev/shm")
 NAME_PREFIX = "paratrain-ps-"

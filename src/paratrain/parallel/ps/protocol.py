@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from paratrain.parallel.parameter_server.sharding import ParamSpec
+from paratrain.parallel.ps.sharding import ParamSpec
 
 REQUEST_TAG, REQUEST_DATA_TAG, REPLY_TAG, REPLY_DATA_TAG = 11, 12, 13, 14
 REQUEST_FIELDS = 8

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.parallel.parameter_server import jobkeys
-from paratrain.parallel.parameter_server.protocol import (
+from paratrain.parallel.ps import jobkeys
+from paratrain.parallel.ps.protocol import (
     REPLY_DATA_TAG,
     REPLY_FIELDS,
     REPLY_TAG,

@@ -35,7 +35,6 @@ __all__ = [
     "write_chrome_trace",
 ]
 
-TIMELINE_FILE = "timeline.jsonl"
 WORK_KINDS = ("forward", "backward")
 
 # Field -> expected type, per record kind. ``float`` accepts integers too; ``int`` refuses

@@ -12,8 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from paratrain.timeline import (
-    TIMELINE_FILE,
+from paratrain.parallel.pipeline.timeline import (
     WORK_KINDS,
     Timeline,
     TimelineError,
@@ -25,6 +24,7 @@ from paratrain.timeline import (
     theoretical_bubble,
     write_chrome_trace,
 )
+from paratrain.parallel.strategy import TIMELINE_FILE
 
 __all__ = ["draw_timeline", "report", "summarize"]
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from paratrain.parallel.parameter_server.protocol import ShardLayout
+from paratrain.parallel.ps.protocol import ShardLayout
 
 
 class CopiedBuffers:

@@ -27,10 +27,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from paratrain.parallel.parameter_server import jobkeys
+from paratrain.parallel.ps import jobkeys
 from paratrain.runtime.hang import STORE_ENV
 
-_SERVER_MODULE = "paratrain.parallel.parameter_server.server"
+_SERVER_MODULE = "paratrain.parallel.ps.server"
 
 
 def start_servers(store: dist.Store, prefix: str, spec: dict) -> list[subprocess.Popen]:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -51,19 +50,23 @@ from paratrain.parallel.batching import (
     take_share,
     to_device,
 )
-from paratrain.parallel.parameter_server import jobkeys, spawn
-from paratrain.parallel.parameter_server.backup import check_backup_workers
-from paratrain.parallel.parameter_server.client import ServerLink
-from paratrain.parallel.parameter_server.optimizer_spec import describe_optimizer
-from paratrain.parallel.parameter_server.protocol import Op, ShardLayout
-from paratrain.parallel.parameter_server.sharding import ParamSpec, assign_shards, check_servers
-from paratrain.parallel.parameter_server.shared_memory import SharedRegion, resolve_transport
-from paratrain.parallel.parameter_server.stale_lr import check_policy
-from paratrain.parallel.parameter_server.staleness import check_bound
-from paratrain.parallel.parameter_server.worker_buffers import CopiedBuffers, MappedBuffers
+from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
+from paratrain.parallel.ps import jobkeys, spawn
+from paratrain.parallel.ps.backup import check_backup_workers
+from paratrain.parallel.ps.checkpointing import ServerCheckpoints
+from paratrain.parallel.ps.client import ServerLink
+from paratrain.parallel.ps.optimizer_spec import describe_optimizer
+from paratrain.parallel.ps.options import OPTIONS
+from paratrain.parallel.ps.protocol import Op, ShardLayout
+from paratrain.parallel.ps.sharding import ParamSpec, assign_shards, check_servers
+from paratrain.parallel.ps.shared_memory import SharedRegion, resolve_transport
+from paratrain.parallel.ps.stale_lr import check_policy
+from paratrain.parallel.ps.staleness import check_bound
+from paratrain.parallel.ps.worker_buffers import CopiedBuffers, MappedBuffers
+from paratrain.parallel.registry import register
 from paratrain.parallel.single import canonical_state
-from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
+from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats
 from paratrain.runtime import comm
 from paratrain.runtime.launch import in_external_job, tolerate_lost_workers
 
@@ -103,7 +106,7 @@ def require_launch() -> None:
 
 
 @register("ps")
-class ParameterServerEngine(Engine):
+class ParameterServerEngine(ServerCheckpoints, Engine):
     """Workers compute, servers own parameters and optimizer state; bounded staleness.
 
     Options: ``servers`` (server processes, default 1), ``staleness`` (0 = synchronous,
@@ -123,8 +126,69 @@ class ParameterServerEngine(Engine):
     wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
     """
 
+    options = OPTIONS
     independent_workers: ClassVar[bool] = True
     """No worker ever waits on another, so callers must not gather over the default group."""
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """Where the run starts, the straggler, backup workers and transport, then the batch."""
+        if run.external_job:
+            raise ValueError(
+                "strategy 'ps' is not supported under torchrun/Slurm (it starts its own server "
+                "processes and needs paratrain's launcher to outlive a lost worker); run "
+                "`paratrain train` directly, or use --strategy dp."
+            )
+        straggler = run.options.get("straggler")
+        if straggler is not None and straggler["rank"] >= run.devices:
+            raise ValueError(
+                f"--straggler names worker {straggler['rank']}, but the run has {run.devices} "
+                f"worker(s) (0..{run.devices - 1})."
+            )
+        check_backup_workers(
+            run.options.get("backup_workers", 0), run.options.get("staleness", 0), run.devices
+        )
+        resolve_transport(run.options.get("transport", "auto"))
+        super().check_run(run)
+
+    @classmethod
+    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
+        return {"timeout_s": run.timeout_s}
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> None:
+        """Not modelled: ps keeps no memory ledger on its workers (``memory_per_device``
+        is refused), and its servers hold the optimizer state outside them."""
+        return None
+
+    @classmethod
+    def model_state_per_worker(cls, parameters, workers, options, **bytes_per_parameter) -> None:
+        """Not modelled (see ``parameter_share``); never suggested by out-of-memory advice."""
+        return None
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        """Servers, each worker's pushes per second, the staleness histogram."""
+        bound = "none (asynchronous)" if metrics["staleness"] is None else metrics["staleness"]
+        rates = ", ".join(
+            f"worker {w}: {r:.1f}" for w, r in sorted(metrics["pushes_per_s"].items())
+        )
+        histogram = ", ".join(
+            f"{s}: {n}" for s, n in sorted(metrics["staleness_histogram"].items())
+        )
+        backup = metrics.get("backup_workers", 0)
+        transport = metrics.get("transport", "gloo").replace("_", " ")
+        if backup:
+            bound = f"{bound} (synchronous) with {backup} backup worker(s): late pushes fold in"
+        if metrics.get("staleness_lr") == "inverse" and (metrics["staleness"] != 0 or backup):
+            bound = f"{bound}, lr / (staleness + 1) (mean factor {metrics['mean_lr_factor']:.2f})"
+        if metrics.get("lookahead"):
+            bound = f"{bound}, lookahead pulls"
+        return [
+            f"  servers           {metrics['servers']} ({transport}), staleness bound {bound}",
+            f"  pushes/s          {rates}",
+            f"  push staleness    {histogram} (applied pushes by versions behind)",
+        ]
 
     def __init__(
         self,
@@ -365,29 +429,6 @@ class ParameterServerEngine(Engine):
         ]
         self.link.request(Op.SET, payloads=payloads)
 
-    def save_checkpoint(self, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
-        """Save the servers' parameters and optimizer state; see ``checkpointing``.
-
-        Under fp16 the loss scale saved is the one of the worker that writes the checkpoint
-        (each worker has its own); every worker resumes from it.
-        """
-        from paratrain.parallel.parameter_server.checkpointing import save
-
-        metadata = dict(metadata or {})
-        if self.precision.scales_loss:
-            metadata["precision"] = self.precision.state_dict()
-        return save(self, Path(path), metadata)
-
-    def load_checkpoint(self, path: str | Path):
-        """Load a checkpoint of any engine into the servers; see ``checkpointing``."""
-        from paratrain.parallel.parameter_server.checkpointing import load
-
-        checkpoint = load(self, Path(path))
-        saved = checkpoint.metadata.get("precision")
-        if saved and saved.get("name") == self.precision.name:
-            self.precision.load_state_dict(saved)
-        return checkpoint
-
     def layout(self) -> dict[str, Any]:
         return {
             "strategy": self.name,
@@ -444,6 +485,13 @@ class ParameterServerEngine(Engine):
             "samples_applied": lead["samples_applied"],
             "per_server": replies,
         }
+
+    def run_metrics(self) -> dict[str, Any]:
+        return self.ps_metrics()
+
+    def finish_training(self) -> None:
+        """The final checkpoint must hold every live worker's pushes."""
+        self.finish(wait=True)
 
     def finish(self, *, wait: bool = False) -> None:
         """Say that this worker will push no more, so that no other worker waits for it.

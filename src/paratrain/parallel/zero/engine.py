@@ -14,14 +14,14 @@ zero2         4P          4P/N        8P/N       reduce-scatter + all-gather = s
 zero3         4P/N        4P/N        8P/N       1.5x (two all-gathers per micro-batch)
 ============  ==========  ==========  =========  ====================================
 
-How: the trainable parameters are grouped into units (``zero_shards.FlatUnit``), each
+How: the trainable parameters are grouped into units (``shards.FlatUnit``), each
 flattened into one padded buffer of which every rank owns an equal slice. The user's
 optimizer factory is called with those slices (one ``nn.Parameter`` per unit), so each
 rank updates only its slice; Adam and SGD are elementwise, so updating slices equals
 updating the whole. After backward each unit's gradient is reduce-scattered
-(``zero_grads``); stages 1-2 then all-gather the updated slices back into the full
+(``grads``); stages 1-2 then all-gather the updated slices back into the full
 parameters; stage 3 never keeps full parameters, gathering each unit just before its
-forward and backward (``zero_gather``).
+forward and backward (``gather``).
 
 Units: stages 1-2 pack parameters, in reverse registration order (roughly the order
 backward produces gradients), into buckets of ``bucket_mb`` (as DDP does), so backward
@@ -31,7 +31,7 @@ registered on the model itself.
 
 The optimizer factory receives flat slices, not the model's parameters, so per-parameter
 groups (e.g. no weight decay on biases) cannot be expressed: one group applies to all,
-and an optimizer not known to be elementwise is refused (``zero_optim``) unless the user
+and an optimizer not known to be elementwise is refused (``optim``) unless the user
 passes ``elementwise_optimizer=True``.
 Frozen parameters (``requires_grad=False``) and buffers stay replicated as in ``dp``.
 
@@ -46,7 +46,7 @@ and the activations autograd saves, leaving out stage 3's gathered parameters.
 ``recompute=True`` checkpoints the layer list by segment as in ``dp`` (``recompute``):
 only each segment's input is kept for backward. Stages 1-2 need nothing more; stage 3
 runs backward inside ``ParameterGatherer.backward_pass`` so that a segment's recompute
-does not free the unit backward is about to use (see ``zero_gather``).
+does not free the unit backward is about to use (see ``gather``).
 """
 
 from __future__ import annotations
@@ -63,30 +63,29 @@ from paratrain.parallel.batching import (
     check_divisible,
     split_micro,
 )
-from paratrain.parallel.data_parallel import require_process_group
-from paratrain.parallel.grad_buckets import MiB, plan_buckets
+from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
 from paratrain.parallel.precision import Precision
-from paratrain.parallel.recompute import recomputing_forward
+from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
+from paratrain.parallel.registry import register
 from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
     Engine,
     LossFn,
     OptimizerFactory,
-    ShardedCheckpointState,
     StepStats,
-    register,
+    require_process_group,
 )
-from paratrain.parallel.zero_checkpoint import gather_checkpoint_state, load_checkpoint_state
-from paratrain.parallel.zero_gather import ParameterGatherer, unit_modules
-from paratrain.parallel.zero_grads import ShardedGradients
-from paratrain.parallel.zero_optim import check_sharded_optimizer
-from paratrain.parallel.zero_shards import FlatUnit, trainable
+from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
+from paratrain.parallel.zero.gather import ParameterGatherer, unit_modules
+from paratrain.parallel.zero.grads import ShardedGradients
+from paratrain.parallel.zero.optim import check_sharded_optimizer
+from paratrain.parallel.zero.shards import FlatUnit, trainable
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
 
 
-class ZeroEngine(ReplicaShare, ShardedCheckpointState, Engine):
+class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
     """What the three stages share: flat units, sharded optimizer, reduce-scatter."""
 
     stage: int
@@ -160,7 +159,7 @@ class ZeroEngine(ReplicaShare, ShardedCheckpointState, Engine):
         return self._segments(inputs)
 
     def _backward_pass(self):
-        """Stage 3 keeps units gathered through their recompute (see ``zero_gather``)."""
+        """Stage 3 keeps units gathered through their recompute (see ``gather``)."""
         return self.gatherer.backward_pass() if self.gatherer is not None else nullcontext()
 
     def _build_units(self) -> tuple[list[FlatUnit], ParameterGatherer | None]:
@@ -272,15 +271,11 @@ class ZeroEngine(ReplicaShare, ShardedCheckpointState, Engine):
                 if name not in in_units:
                     tensor.copy_(fetch(name))
 
-    def gather_checkpoint_state(self):
-        return gather_checkpoint_state(self)
-
-    def load_checkpoint_state(self, checkpoint) -> None:
-        load_checkpoint_state(self, checkpoint)
-
 
 class _ReplicatedParameters(ZeroEngine):
     """Stages 1-2: the full parameters stay on every rank; units are ``bucket_mb`` buckets."""
+
+    options = (BUCKET_MB, RECOMPUTE)
 
     def __init__(
         self,
@@ -334,10 +329,18 @@ class Zero1Engine(_ReplicatedParameters):
     default 25), ``group`` (the replicas' process group; the whole job by default),
     ``recompute`` (keep only each layer segment's input for backward and recompute the
     rest, as in ``dp``), ``elementwise_optimizer`` (the user vouches that an optimizer
-    class paratrain does not know updates each element alone; see ``zero_optim``).
+    class paratrain does not know updates each element alone; see ``optim``).
     """
 
     stage = 1
+    advice_rank = 1
+
+    @classmethod
+    def model_state_per_worker(
+        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
+    ) -> float:
+        """Weights and gradients whole, optimizer state 1/N."""
+        return (weight + gradient + optimizer / workers) * parameters
 
 
 @register("zero2")
@@ -348,6 +351,14 @@ class Zero2Engine(_ReplicatedParameters):
     """
 
     stage = 2
+    advice_rank = 2
+
+    @classmethod
+    def model_state_per_worker(
+        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
+    ) -> float:
+        """Weights whole; gradients and optimizer state 1/N."""
+        return (weight + (gradient + optimizer) / workers) * parameters
 
 
 @register("zero3")
@@ -355,11 +366,24 @@ class Zero3Engine(ZeroEngine):
     """ZeRO stage 3: parameters, gradients and optimizer state all sharded.
 
     Options: ``group``, ``recompute``, ``elementwise_optimizer`` (as ``zero1``). Units
-    are the model's top-level children (see ``zero_gather``); a model that is one big
+    are the model's top-level children (see ``gather``); a model that is one big
     child gains nothing, so write it as a layer list (``recompute`` requires one).
     """
 
     stage = 3
+    options = (RECOMPUTE,)
+    advice_rank = 3
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        return 1.0 / workers
+
+    @classmethod
+    def model_state_per_worker(
+        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
+    ) -> float:
+        """Everything 1/N (a gathered unit's transient full copy is not model state)."""
+        return (weight + gradient + optimizer) / workers * parameters
 
     def _check_layout(self, model: nn.Module) -> None:
         unit_modules(model)

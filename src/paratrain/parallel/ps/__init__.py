@@ -1,6 +1,7 @@
-"""Asynchronous data parallelism with parameter servers (``strategy="ps"``).
+"""``strategy="ps"``: asynchronous data parallelism through parameter servers.
 
 engine.py         the worker's engine: pull, compute its share, push; state and metrics
+options.py        its options (servers, staleness, backup workers, transport, ...)
 server.py         a server process: one shard, its optimizer, one thread per worker
 staleness.py      clocks, the staleness bound, the histogram (pure bookkeeping)
 stale_lr.py       the staleness-aware learning rate of asynchronous pushes
@@ -14,10 +15,10 @@ worker_buffers.py a worker's parameters and gradients: copied (gloo) or in place
 client.py         a worker's requests to all servers, bounded waits, clear errors
 spawn.py          starting servers, waiting for them, the workers-plus-servers group
 jobkeys.py        the few facts shared through the launch store
-checkpointing.py  checkpoints written and read by the servers
+checkpointing.py  checkpoints written and read by the servers (the engine's mixin)
 """
 
-from paratrain.parallel.parameter_server.client import ParameterServerLost
-from paratrain.parallel.parameter_server.engine import ParameterServerEngine
+from paratrain.parallel.ps.client import ParameterServerLost
+from paratrain.parallel.ps.engine import ParameterServerEngine
 
 __all__ = ["ParameterServerEngine", "ParameterServerLost"]

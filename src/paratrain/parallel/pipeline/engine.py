@@ -22,6 +22,7 @@ the point-to-point buffers posted and not yet flushed.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,30 +31,33 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, take_share
-from paratrain.parallel.data_parallel import require_process_group
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, layer_list
-from paratrain.parallel.p2p import StageLink
-from paratrain.parallel.partition import (
+from paratrain.parallel.options import RunSpec
+from paratrain.parallel.pipeline import timeline_report
+from paratrain.parallel.pipeline.options import OPTIONS
+from paratrain.parallel.pipeline.p2p import StageLink
+from paratrain.parallel.pipeline.partition import (
     check_stages,
     partition,
     stage_bounds,
     validate_balance,
 )
+from paratrain.parallel.pipeline.schedules import get_schedule
 from paratrain.parallel.precision import Precision
-from paratrain.parallel.schedules import get_schedule
+from paratrain.parallel.registry import register
 from paratrain.parallel.strategy import (
     Engine,
     LossFn,
     OptimizerFactory,
     RecordsTimeline,
     StepStats,
-    register,
+    require_process_group,
 )
 from paratrain.runtime import comm
-from paratrain.runtime.mesh import pipeline_mesh
+from paratrain.runtime.mesh import check_degrees, pipeline_mesh
 
 
 def choose_balance(
@@ -99,6 +103,60 @@ class PipelineEngine(RecordsTimeline, Engine):
     input per micro-batch and recompute the rest in backward), ``bucket_mb`` (gradient
     all-reduce buckets across replicas).
     """
+
+    options = OPTIONS
+    advice_rank = 4  # after zero3: it needs the model as a layer list
+
+    @classmethod
+    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
+        return check_degrees(devices, stages=options.get("stages", 2))
+
+    @classmethod
+    def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
+        return options.get("micro_batches") or 2 * options.get("stages", 2)
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """The mesh and batch, then the stages against the model's layers (on a meta copy)."""
+        super().check_run(run)
+        if run.build_model is None:
+            return
+        stages, balance = run.options.get("stages", 2), run.options.get("balance")
+        layers = len(layer_list(run.build_model())[0])
+        check_stages(layers, stages)
+        if balance is not None:
+            validate_balance(balance, layers=layers, stages=stages)
+
+    @classmethod
+    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
+        """Balancing by time or memory measures the layers on one micro-batch of inputs."""
+        if run.options.get("balance_by") not in ("time", "memory") or run.sample_inputs is None:
+            return {}
+        size = max(1, run.global_batch // cls.micro_batches_per_step(run.options))
+        return {"sample_input": run.sample_inputs(size)}
+
+    @classmethod
+    def summarize_timeline(cls, run_dir: str | Path) -> str:
+        return timeline_report.summarize(run_dir)
+
+    @classmethod
+    def report_timeline(
+        cls, run_dir: str | Path, *, out_dir: str | Path | None = None
+    ) -> dict[str, Path]:
+        return timeline_report.report(run_dir, out_dir=out_dir)
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        """A stage holds at least 1/stages of the model only if its layers balance: a
+        lower bound, for refusing a budget before any worker starts."""
+        return 1.0 / options.get("stages", workers)
+
+    @classmethod
+    def model_state_per_worker(
+        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
+    ) -> float:
+        """Each stage's share of everything (balanced stages; replicas hold copies)."""
+        return (weight + gradient + optimizer) * cls.parameter_share(workers, options) * parameters
 
     def __init__(
         self,

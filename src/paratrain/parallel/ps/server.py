@@ -1,6 +1,6 @@
 """A parameter-server process: holds one shard of the parameters and its optimizer state.
 
-Started by the job's worker 0 as ``python -m paratrain.parallel.parameter_server.server``
+Started by the job's worker 0 as ``python -m paratrain.parallel.ps.server``
 (a fresh interpreter: launch's workers are ordinary processes, but a fresh process
 inherits nothing of the worker's threads or communication state). It reads the job's
 description from the launch store, builds its parameters and the user's optimizer over
@@ -58,11 +58,11 @@ from torch import nn
 
 from paratrain.checkpoint import Checkpoint, CheckpointError, write_shard
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
-from paratrain.parallel.parameter_server import jobkeys
-from paratrain.parallel.parameter_server.backup import quorum
-from paratrain.parallel.parameter_server.lookahead import PullLookahead
-from paratrain.parallel.parameter_server.optimizer_spec import build_optimizer
-from paratrain.parallel.parameter_server.protocol import (
+from paratrain.parallel.ps import jobkeys
+from paratrain.parallel.ps.backup import quorum
+from paratrain.parallel.ps.lookahead import PullLookahead
+from paratrain.parallel.ps.optimizer_spec import build_optimizer
+from paratrain.parallel.ps.protocol import (
     LOOKAHEAD_FIELD,
     REPLY_DATA_TAG,
     REPLY_TAG,
@@ -80,10 +80,10 @@ from paratrain.parallel.parameter_server.protocol import (
     send_all,
     wait_all,
 )
-from paratrain.parallel.parameter_server.sharding import ParamSpec
-from paratrain.parallel.parameter_server.shared_memory import SharedRegion
-from paratrain.parallel.parameter_server.stale_lr import lr_factor, scaled_learning_rate
-from paratrain.parallel.parameter_server.staleness import StalenessBook
+from paratrain.parallel.ps.sharding import ParamSpec
+from paratrain.parallel.ps.shared_memory import SharedRegion
+from paratrain.parallel.ps.stale_lr import lr_factor, scaled_learning_rate
+from paratrain.parallel.ps.staleness import StalenessBook
 
 _NO_DEADLINE = timedelta(days=30)  # see the module docstring: the job bounds the server
 _POLL_S = 0.5

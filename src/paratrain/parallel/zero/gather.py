@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from paratrain.parallel.batching import map_tensors
-from paratrain.parallel.zero_shards import FlatUnit, ZeroLayoutError
+from paratrain.parallel.zero.shards import FlatUnit, ZeroLayoutError
 
 
 def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -31,22 +31,20 @@ from paratrain.parallel.batching import (
     split_micro,
 )
 from paratrain.parallel.fused_optim import with_fused_kernel
-from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
+from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.precision import Precision
-from paratrain.parallel.recompute import recomputing_forward
+from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
+from paratrain.parallel.registry import register
 from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
-from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats, register
+from paratrain.parallel.strategy import (
+    Engine,
+    LossFn,
+    OptimizerFactory,
+    StepStats,
+    require_process_group,
+)
 from paratrain.runtime import comm
-
-
-def require_process_group(strategy: str) -> None:
-    """Refuse a distributed strategy outside a launched job, saying what to do instead."""
-    if not comm.distributed():
-        raise RuntimeError(
-            f"strategy {strategy!r} needs worker processes: call paratrain.setup inside a "
-            "function run by paratrain.launch(...) or under torchrun, or use strategy='single'."
-        )
 
 
 @register("dp")
@@ -64,6 +62,10 @@ class DataParallelEngine(ReplicaShare, Engine):
     backward, so an early small message buys no overlap and costs one more round of
     latency (measured: 5-10% slower steps on ``mlp`` at 2 and 4 workers).
     """
+
+    options = (BUCKET_MB, RECOMPUTE)
+    default = True  # the strategy most runs want: the model fits, the batch splits
+    advice_rank = 0
 
     def __init__(
         self,

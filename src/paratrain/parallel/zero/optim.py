@@ -1,6 +1,6 @@
 """Which optimizers the ZeRO engines may hand flat slices to.
 
-A ZeRO rank optimizes only its slice of each flat unit (``zero_shards``), which equals
+A ZeRO rank optimizes only its slice of each flat unit (``shards``), which equals
 optimizing the whole only when the update of every element depends on that element's own
 parameter, gradient and state (and on step counters shared by all elements). The
 ``torch.optim`` classes listed in ``ELEMENTWISE`` are such. Anything else may mix

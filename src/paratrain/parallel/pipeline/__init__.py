@@ -1,0 +1,14 @@
+"""``strategy="pipeline"``: contiguous stages of the layer list, fed micro-batches.
+
+engine.py           the engine (GPipe/1F1B, recompute, dp x pp hybrid)
+options.py          its options (stages, micro-batches, schedule, balance)
+schedules.py        GPipe, 1F1B, interleaved 1F1B as pure schedules + simulator
+partition.py        balance_by_cost and the refusals (pure)
+p2p.py              StageLink: tagged, pre-posted point-to-point messages
+timeline.py         the recorded timeline: reading, measured vs theoretical bubble, trace
+timeline_report.py  timeline.png and the text of ``paratrain report``
+"""
+
+from paratrain.parallel.pipeline.engine import PipelineEngine
+
+__all__ = ["PipelineEngine"]

@@ -1,0 +1,34 @@
+"""The pipeline strategy's options, as the command line, run files and ``setup`` take them."""
+
+from __future__ import annotations
+
+from paratrain.parallel.grad_buckets import BUCKET_MB
+from paratrain.parallel.options import StrategyOption
+from paratrain.parallel.pipeline.partition import COST_CHOICES
+from paratrain.parallel.pipeline.schedules import SCHEDULES
+from paratrain.parallel.recompute import RECOMPUTE
+
+
+def parse_balance(text: str | list[int]) -> list[int]:
+    """``"2,3,3"`` (command line, run file) as the layer counts ``[2, 3, 3]``."""
+    if isinstance(text, list):
+        return text
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"balance must be comma-separated layer counts such as 2,3,3, not {text!r}."
+        ) from None
+
+
+OPTIONS = (
+    StrategyOption("stages", int, 2, "pipeline stages", minimum=1),
+    StrategyOption(
+        "micro_batches", int, None, "micro-batches per step (default 2 x stages)", minimum=1
+    ),
+    StrategyOption("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
+    StrategyOption("balance", str, None, "layers per stage, e.g. 2,3,3", parse=parse_balance),
+    StrategyOption("balance_by", str, "params", "what stages balance by", choices=COST_CHOICES),
+    RECOMPUTE,
+    BUCKET_MB,
+)
