@@ -12,7 +12,13 @@ import paratrain
 from paratrain.cli import main
 from paratrain.models import build_model
 from paratrain.parallel.layers import LayerListError, LayerSlice, layer_list
-from paratrain.parallel.pipeline.p2p import decode_header, encode_header
+from paratrain.parallel.pipeline.structure import (
+    StructureError,
+    decode_header,
+    encode_header,
+    flatten,
+    unflatten,
+)
 from tests import workers
 from tests.test_cli_train import SHARED_DATA
 from tests.test_parity_dp import TOLERANCE, relative_error
@@ -43,7 +49,29 @@ def test_layer_list_accepts_sequential_or_layers_attribute_and_refuses_others():
 
 def test_activation_header_round_trip():
     tensor = torch.zeros(3, 5, 7, dtype=torch.bfloat16)
-    assert decode_header(encode_header(tensor)) == (torch.bfloat16, (3, 5, 7))
+    tree, leaves = decode_header(encode_header(tensor, torch.device("cpu")))
+    assert leaves == [(torch.bfloat16, [3, 5, 7])]
+    assert unflatten(tree, [tensor]) is tensor
+
+
+def test_a_structured_activation_round_trips_with_its_plain_values():
+    hidden, mask = torch.randn(2, 4, 8), torch.ones(2, 4, dtype=torch.bool)
+    value = {"hidden": hidden, "extras": (mask, None, 3, [torch.zeros(1), "x"])}
+    tree, leaves = decode_header(encode_header(value, torch.device("cpu")))
+    assert leaves == [(torch.float32, [2, 4, 8]), (torch.bool, [2, 4]), (torch.float32, [1])]
+    rebuilt = unflatten(tree, flatten(value)[0])
+    assert rebuilt["hidden"] is hidden and rebuilt["extras"][0] is mask
+    assert rebuilt["extras"][1:3] == (None, 3) and rebuilt["extras"][3][1] == "x"
+    assert isinstance(rebuilt["extras"], tuple) and isinstance(rebuilt["extras"][3], list)
+
+
+def test_a_value_that_cannot_cross_a_stage_boundary_is_refused():
+    with pytest.raises(StructureError, match="not set"):
+        flatten({"a": {1, 2}})
+    with pytest.raises(StructureError, match="string keys"):
+        flatten({1: torch.zeros(1)})
+    with pytest.raises(StructureError, match="more than 64"):
+        flatten([torch.zeros(1)] * 65)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Splitting a global batch into per-replica shares and micro-batches.
 
 Inputs and targets may be a tensor or a (nested) tuple/list/dict of tensors whose first
-dimension is the batch. A split that does not come out even is refused with a sentence
-that names the sizes and what would work, before any computation starts.
+dimension is the batch (how they then reach the model: ``inputs.py``). A split that does
+not come out even is refused with a sentence that names the sizes and what would work,
+before any computation starts.
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def check_divisible(global_batch: int, *, replicas: int, micro_batches: int) -> 
 
 
 def take_share(batch: Any, index: int, parts: int) -> Any:
-    """The ``index``-th of ``parts`` equal contiguous slices along the batch dimension."""
+    """The ``index``-th of ``parts`` equal contiguous slices along the batch dimension
+    (``None``, targets a model that computes its own loss does without, stays ``None``)."""
+    if batch is None:
+        return None
     size = batch_size(batch) // parts
     return map_tensors(batch, lambda t: t.narrow(0, index * size, size))
 

@@ -13,6 +13,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from paratrain.parallel.batching import batch_size, check_divisible, take_share, to_device
+from paratrain.parallel.inputs import call_model
 from paratrain.runtime import comm
 
 
@@ -47,7 +48,7 @@ class ReplicaShare:
         self.model.eval()
         share_in, share_tgt = self._share(inputs), self._share(targets)
         with self.precision.autocast(self._device):
-            loss = self.loss_fn(self.model(share_in), share_tgt)
+            loss = self.loss_fn(call_model(self.model, share_in), share_tgt)
         loss = loss.detach().float().reshape(1) / replicas
         self._after_eval()
         self.model.train(was_training)

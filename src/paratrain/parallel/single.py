@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
+from paratrain.parallel.inputs import call_model
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
@@ -86,7 +87,7 @@ class SingleDeviceEngine(Engine):
             )
         ):
             with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = self.loss_fn(self._forward(micro_in), micro_tgt)
+                loss = self.loss_fn(call_model(self._forward, micro_in), micro_tgt)
             scaled = loss / k
             (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
             self.memory.release(index)
@@ -104,7 +105,8 @@ class SingleDeviceEngine(Engine):
         self.model.eval()
         with self.precision.autocast(self._device):
             loss = self.loss_fn(
-                self.model(to_device(inputs, self._device)), to_device(targets, self._device)
+                call_model(self.model, to_device(inputs, self._device)),
+                to_device(targets, self._device),
             )
         self.model.train(was_training)
         return float(loss)

@@ -32,6 +32,7 @@ from paratrain.parallel.batching import (
 )
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
+from paratrain.parallel.inputs import call_model
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -153,7 +154,7 @@ class DataParallelEngine(ReplicaShare, Engine):
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = self.loss_fn(self._forward(micro_in), micro_tgt)
+                loss = self.loss_fn(call_model(self._forward, micro_in), micro_tgt)
             local_sum += loss.detach()
             if self.reducer is not None and index == k - 1:
                 self.reducer.arm(extras=local_sum * scale)

@@ -30,9 +30,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paratrain.parallel.batching import batch_size, check_divisible, split_micro, take_share
+from paratrain.parallel.batching import (
+    batch_size,
+    check_divisible,
+    split_micro,
+    take_share,
+    to_device,
+)
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
+from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, layer_list
 from paratrain.parallel.options import RunSpec
@@ -46,6 +53,7 @@ from paratrain.parallel.pipeline.partition import (
     validate_balance,
 )
 from paratrain.parallel.pipeline.schedules import get_schedule
+from paratrain.parallel.pipeline.structure import flatten, floating
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import register
 from paratrain.parallel.strategy import (
@@ -58,6 +66,12 @@ from paratrain.parallel.strategy import (
 )
 from paratrain.runtime import comm
 from paratrain.runtime.mesh import check_degrees, pipeline_mesh
+
+
+def _floating_leaves(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a stage boundary value, in the order messages use."""
+    leaves, _ = flatten(value)
+    return [leaves[index] for index in floating(leaves)]
 
 
 def choose_balance(
@@ -301,11 +315,15 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.link.begin_round(micro, expect_loss=True)
         losses = []
         for m in range(micro):
-            x = share_in[m].to(self._device) if self.mesh.is_first else self.link.recv_activation(m)
+            if self.mesh.is_first:
+                x = to_device(share_in[m], self._device)
+            else:
+                x = self.link.recv_activation(m)
             with self.precision.autocast(self._device):
-                y = self.module(x)
+                y = self._run_stage(x, recompute=False)
                 if self.mesh.is_last:
-                    losses.append(self.loss_fn(y, share_tgt[m].to(self._device)).detach())
+                    target = to_device(share_tgt[m], self._device)
+                    losses.append(self.loss_fn(y, target).detach())
             if not self.mesh.is_last:
                 self.link.send_activation(y, m)
         loss = self._pass_loss_back(lambda: torch.stack(losses).mean())
@@ -385,18 +403,17 @@ class PipelineEngine(RecordsTimeline, Engine):
         Returns when the computation started, after the input arrived, so that waiting for
         a neighbour shows as idle time on the timeline, not as work.
         """
-        x = micro_in[m].to(self._device) if self.mesh.is_first else self.link.recv_activation(m)
+        if self.mesh.is_first:
+            x = to_device(micro_in[m], self._device)
+        else:
+            x = self.link.recv_activation(m)
+            for leaf in _floating_leaves(x):  # their gradients go back to the stage before
+                leaf.requires_grad_(True)
         start = time.perf_counter()
-        if x.is_floating_point() and not self.mesh.is_first:
-            x.requires_grad_(True)
         with self.memory.forward(m), self.precision.autocast(self._device):
-            y = (
-                checkpoint(self.module, x, use_reentrant=False)
-                if self.recompute
-                else self.module(x)
-            )
+            y = self._run_stage(x, recompute=self.recompute)
             if self.mesh.is_last:
-                loss = self.loss_fn(y, micro_tgt[m].to(self._device))
+                loss = self.loss_fn(y, to_device(micro_tgt[m], self._device))
                 self._losses.append(loss.detach())
                 y = loss * self.precision.loss_factor(scale)
         if not self.mesh.is_last:
@@ -421,12 +438,31 @@ class PipelineEngine(RecordsTimeline, Engine):
                 self.reducer.arm(extras=self._step_loss / self.mesh.replicas)
         start = time.perf_counter()
         with self.memory.recording(m):
-            if y.requires_grad:
-                y.backward(grad)
+            if self.mesh.is_last:
+                if y.requires_grad:
+                    y.backward()
+            else:
+                pairs = [
+                    (out, g)
+                    for out, g in zip(_floating_leaves(y), grad, strict=True)
+                    if out.requires_grad
+                ]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self.memory.release(m)
         if not self.mesh.is_first:
-            self.link.send_gradient(x.grad, m)
+            self.link.send_gradient(x, m)
         return start
+
+    def _run_stage(self, x: Any, *, recompute: bool) -> Any:
+        """This stage's layers on ``x``: the first stage calls them as the whole model is
+        called (a dict batch as keywords, a tuple as arguments; see ``inputs``); a later
+        stage passes what it received as the one input, as ``nn.Sequential`` does between
+        layers. With ``recompute`` only the stage's input is kept for backward."""
+        args, kwargs = as_arguments(x) if self.mesh.is_first else ((x,), {})
+        if recompute:
+            return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+        return self.module(*args, **kwargs)
 
     def _pass_loss_back(self, compute) -> torch.Tensor:
         """The last stage computes the loss; every other stage hears it from the next one

@@ -10,49 +10,40 @@ two neighbours posting in the same order. Sends are non-blocking and kept alive 
 ``flush()``; every wait is bounded by the process group's timeout.
 
 Shapes: the receiver must allocate before receiving. The first activation of every round
-is preceded by a small header (dtype and shape) that all micro-batches of the round share,
-since they are equal splits of one batch. So shapes may change from one step to the next
-(another sequence length, a smaller last batch) at the cost of one tiny message per round.
-Gradients need no header: the stage that receives a gradient produced its activation.
+is preceded by a header (the value's structure, and each tensor's dtype and shape; see
+``structure``) that all micro-batches of the round share, since they are equal splits of
+one batch. So shapes may change from one step to the next (another sequence length, a
+smaller last batch) at the cost of one small message per round. An activation may be a
+tensor or a tuple/list/dict of tensors; each tensor travels as its own message. Gradients
+need no header: the stage that receives a gradient produced its activation, and gradients
+travel for its floating-point tensors only.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from paratrain.parallel.pipeline.structure import (
+    HEADER_BYTES,
+    MAX_LEAVES,
+    decode_header,
+    encode_header,
+    flatten,
+    floating,
+    unflatten,
+)
 from paratrain.runtime import comm
 
-_HEADER_LEN = 10
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
 HEADER_TAG, LOSS_TAG = 1, 2
 _ACTIVATION_TAGS, _GRADIENT_TAGS = 1 << 20, 2 << 20
 
 
-def encode_header(tensor: torch.Tensor) -> torch.Tensor:
-    """dtype code, ndim, then the shape, zero-padded to a fixed length."""
-    if tensor.dtype not in _DTYPES:
-        raise TypeError(f"pipeline stages cannot pass tensors of dtype {tensor.dtype}.")
-    if tensor.dim() > _HEADER_LEN - 2:
-        raise ValueError(f"pipeline activations may have at most {_HEADER_LEN - 2} dimensions.")
-    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-    return torch.tensor(values + [0] * (_HEADER_LEN - len(values)), dtype=torch.int64)
-
-
-def decode_header(header: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
-    values = header.tolist()
-    return _DTYPES[values[0]], tuple(values[2 : 2 + values[1]])
+def _tag(base: int, micro: int, leaf: int) -> int:
+    """One tag per (kind, micro-batch, tensor of the value)."""
+    return base + micro * MAX_LEAVES + leaf
 
 
 class StageLink:
@@ -64,11 +55,11 @@ class StageLink:
         self.device, self.prev_rank, self.next_rank = device, prev_rank, next_rank
         self.window = max(1, window)
         self._sends: list[tuple[object, torch.Tensor]] = []
-        self._activations: dict[int, tuple[object, torch.Tensor]] = {}
-        self._gradients: dict[int, tuple[object, torch.Tensor]] = {}
+        self._activations: dict[int, list[tuple[object, torch.Tensor]]] = {}
+        self._gradients: dict[int, list[tuple[object, torch.Tensor]]] = {}
         self._header: tuple[object, torch.Tensor] | None = None
         self._loss: tuple[object, torch.Tensor] | None = None
-        self._shape: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._shape: tuple[Any, list[tuple[torch.dtype, list[int]]]] | None = None
         self._micro_batches = 0
         self._next_to_post = 0
 
@@ -78,7 +69,7 @@ class StageLink:
         """Post what this round will surely receive first: the header, and the loss."""
         self._micro_batches, self._next_to_post, self._shape = micro_batches, 0, None
         if self.prev_rank is not None:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
             self._header = (self._irecv(header, self.prev_rank, HEADER_TAG), header)
         if expect_loss and self.next_rank is not None:
             loss = torch.empty(1, device=self.device)
@@ -86,42 +77,60 @@ class StageLink:
 
     # -- sending -------------------------------------------------------------------------
 
-    def send_activation(self, tensor: torch.Tensor, micro: int) -> None:
-        tensor = tensor.detach().contiguous()
+    def send_activation(self, value: Any, micro: int) -> None:
+        """Send a stage's output: a tensor or a tuple/list/dict of tensors."""
         if micro == 0:
-            self._isend(encode_header(tensor).to(self.device), self.next_rank, HEADER_TAG)
-        self._isend(tensor, self.next_rank, _ACTIVATION_TAGS + micro)
+            self._isend(encode_header(value, self.device), self.next_rank, HEADER_TAG)
+        leaves, _ = flatten(value)
+        for index, leaf in enumerate(leaves):
+            tag = _tag(_ACTIVATION_TAGS, micro, index)
+            self._isend(leaf.detach().contiguous(), self.next_rank, tag)
 
-    def send_gradient(self, tensor: torch.Tensor, micro: int) -> None:
-        self._isend(tensor.detach().contiguous(), self.prev_rank, _GRADIENT_TAGS + micro)
+    def send_gradient(self, value: Any, micro: int) -> None:
+        """Send the gradients of the floating-point tensors of a received activation (zeros
+        for one the stage did not use)."""
+        leaves, _ = flatten(value)
+        for index in floating(leaves):
+            leaf = leaves[index]
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self._isend(
+                grad.detach().contiguous(), self.prev_rank, _tag(_GRADIENT_TAGS, micro, index)
+            )
 
     def send_loss(self, value: torch.Tensor) -> None:
         self._isend(value.detach().reshape(1).float().clone(), self.prev_rank, LOSS_TAG)
 
     # -- receiving -----------------------------------------------------------------------
 
-    def recv_activation(self, micro: int) -> torch.Tensor:
+    def recv_activation(self, micro: int) -> Any:
         if self._shape is None:
             work, header = self._header
             comm.wait(work, f"recv of the activation header from rank {self.prev_rank}")
             self._shape = decode_header(header)
         self._post_activations(upto=micro + self.window)
-        work, buffer = self._activations.pop(micro)
-        comm.wait(work, f"recv of activation {micro} from rank {self.prev_rank}")
-        return buffer
+        leaves = []
+        for work, buffer in self._activations.pop(micro):
+            comm.wait(work, f"recv of activation {micro} from rank {self.prev_rank}")
+            leaves.append(buffer)
+        return unflatten(self._shape[0], leaves)
 
-    def expect_gradient(self, micro: int, like: torch.Tensor) -> None:
-        """Post the receive of ``micro``'s output gradient as soon as the output exists."""
-        buffer = torch.empty_like(like)
-        self._gradients[micro] = (
-            self._irecv(buffer, self.next_rank, _GRADIENT_TAGS + micro),
-            buffer,
-        )
+    def expect_gradient(self, micro: int, like: Any) -> None:
+        """Post the receives of ``micro``'s output gradients as soon as the output exists."""
+        leaves, _ = flatten(like)
+        posted = []
+        for index in floating(leaves):
+            buffer = torch.empty_like(leaves[index])
+            tag = _tag(_GRADIENT_TAGS, micro, index)
+            posted.append((self._irecv(buffer, self.next_rank, tag), buffer))
+        self._gradients[micro] = posted
 
-    def recv_gradient(self, micro: int) -> torch.Tensor:
-        work, buffer = self._gradients.pop(micro)
-        comm.wait(work, f"recv of gradient {micro} from rank {self.next_rank}")
-        return buffer
+    def recv_gradient(self, micro: int) -> list[torch.Tensor]:
+        """The gradients of ``micro``'s output, one per floating-point tensor, in order."""
+        grads = []
+        for work, buffer in self._gradients.pop(micro):
+            comm.wait(work, f"recv of gradient {micro} from rank {self.next_rank}")
+            grads.append(buffer)
+        return grads
 
     def recv_loss(self) -> torch.Tensor:
         work, loss = self._loss
@@ -131,7 +140,9 @@ class StageLink:
 
     def held_bytes(self) -> int:
         """Bytes of receive buffers posted and sends not yet flushed (for the memory ledger)."""
-        posted = [*self._activations.values(), *self._gradients.values(), *self._sends]
+        posted = [*self._sends]
+        for entries in (*self._activations.values(), *self._gradients.values()):
+            posted += entries
         return sum(buffer.numel() * buffer.element_size() for _, buffer in posted)
 
     def flush(self) -> None:
@@ -143,12 +154,15 @@ class StageLink:
     # -- internals -----------------------------------------------------------------------
 
     def _post_activations(self, *, upto: int) -> None:
-        dtype, shape = self._shape
+        _, leaves = self._shape
         while self._next_to_post < min(upto, self._micro_batches):
             micro = self._next_to_post
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            work = self._irecv(buffer, self.prev_rank, _ACTIVATION_TAGS + micro)
-            self._activations[micro] = (work, buffer)
+            posted = []
+            for index, (dtype, shape) in enumerate(leaves):
+                buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                tag = _tag(_ACTIVATION_TAGS, micro, index)
+                posted.append((self._irecv(buffer, self.prev_rank, tag), buffer))
+            self._activations[micro] = posted
             self._next_to_post += 1
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

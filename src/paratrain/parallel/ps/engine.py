@@ -50,6 +50,7 @@ from paratrain.parallel.batching import (
     take_share,
     to_device,
 )
+from paratrain.parallel.inputs import call_model
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.ps import jobkeys, spawn
@@ -312,7 +313,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             split_micro(share_in, k), split_micro(share_tgt, k), strict=True
         ):
             with self.precision.autocast(self._device):
-                loss = self.loss_fn(self.model(micro_in), micro_tgt)
+                loss = self.loss_fn(call_model(self.model, micro_in), micro_tgt)
             scaled = loss if k == 1 else loss / k  # as single divides: fp32 bit for bit
             (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
             total += loss.detach()
@@ -403,7 +404,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         was_training = self.model.training
         self.model.eval()
         with self.precision.autocast(self._device):
-            outputs = self.model(to_device(inputs, self._device))
+            outputs = call_model(self.model, to_device(inputs, self._device))
             loss = self.loss_fn(outputs, to_device(targets, self._device))
         self.model.train(was_training)
         return float(loss)

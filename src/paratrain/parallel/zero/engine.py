@@ -64,6 +64,7 @@ from paratrain.parallel.batching import (
     split_micro,
 )
 from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
+from paratrain.parallel.inputs import call_model
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -153,10 +154,10 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
     def _model_forward(self, inputs: Any) -> Any:
         """The model's forward, by recomputed segments when ``recompute`` is on."""
         if self._segments is None:
-            return self.model(inputs)
+            return call_model(self.model, inputs)
         if self.gatherer is not None:  # the segments bypass model(...) and its root pre-hook
             self.gatherer.gather_root()
-        return self._segments(inputs)
+        return call_model(self._segments, inputs)
 
     def _backward_pass(self):
         """Stage 3 keeps units gathered through their recompute (see ``gather``)."""
