@@ -16,6 +16,7 @@ from torch import nn
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.loss_reduction import LossTotals, loss_value
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
@@ -78,7 +79,7 @@ class SingleDeviceEngine(Engine):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.memory.begin_step(self.steps_taken)
-        total = torch.zeros((), device=self._device)
+        totals = LossTotals(self.loss_fn, targets, targets, parts=k, device=self._device)
         for index, (micro_in, micro_tgt) in enumerate(
             zip(
                 split_micro(to_device(inputs, self._device), k),
@@ -87,29 +88,28 @@ class SingleDeviceEngine(Engine):
             )
         ):
             with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = self.loss_fn(call_model(self._forward, micro_in), micro_tgt)
-            scaled = loss / k
+                loss = totals.add(self.loss_fn(call_model(self._forward, micro_in), micro_tgt))
+            scaled = loss / totals.divisor  # a mean by k, a sum by the global count
             (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
             self.memory.release(index)
-            total += loss.detach()
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
         if self.precision.unscale_and_check(grads, synchronized=True):
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()
-        return self._step_stats(float(total / k), samples)
+        return self._step_stats(float(totals.contribution()), samples)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:
         was_training = self.model.training
         self.model.eval()
         with self.precision.autocast(self._device):
-            loss = self.loss_fn(
+            result = self.loss_fn(
                 call_model(self.model, to_device(inputs, self._device)),
                 to_device(targets, self._device),
             )
         self.model.train(was_training)
-        return float(loss)
+        return loss_value(result)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return canonical_state(self.model)

@@ -42,6 +42,7 @@ from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, layer_list
+from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.pipeline import timeline_report
 from paratrain.parallel.pipeline.options import OPTIONS
@@ -237,7 +238,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             next_rank=None if self.mesh.is_last else self.mesh.next_rank,
             window=stages,
         )
-        self._losses: list[torch.Tensor] = []
+        self._totals: LossTotals | None = None  # the step's losses, on the last stage
         self._step_loss: torch.Tensor | None = None
         self.events: list[dict[str, Any]] = []
         self.memory.watch(
@@ -287,7 +288,13 @@ class PipelineEngine(RecordsTimeline, Engine):
         share_in = take_share(inputs, self.mesh.replica, replicas)
         share_tgt = take_share(targets, self.mesh.replica, replicas)
         self.memory.begin_step(self.steps_taken)
-        self._losses = []
+        self._totals = LossTotals(
+            self.loss_fn,
+            targets,
+            share_tgt,
+            parts=rounds * micro * replicas,
+            device=self._device,
+        )
         self._step_loss = None
         for index, (round_in, round_tgt) in enumerate(
             zip(split_micro(share_in, rounds), split_micro(share_tgt, rounds), strict=True)
@@ -313,7 +320,13 @@ class PipelineEngine(RecordsTimeline, Engine):
         share_in = split_micro(take_share(inputs, self.mesh.replica, replicas), micro)
         share_tgt = split_micro(take_share(targets, self.mesh.replica, replicas), micro)
         self.link.begin_round(micro, expect_loss=True)
-        losses = []
+        totals = LossTotals(
+            self.loss_fn,
+            targets,
+            take_share(targets, self.mesh.replica, replicas),
+            parts=micro * replicas,
+            device=self._device,
+        )
         for m in range(micro):
             if self.mesh.is_first:
                 x = to_device(share_in[m], self._device)
@@ -322,15 +335,14 @@ class PipelineEngine(RecordsTimeline, Engine):
             with self.precision.autocast(self._device):
                 y = self._run_stage(x, recompute=False)
                 if self.mesh.is_last:
-                    target = to_device(share_tgt[m], self._device)
-                    losses.append(self.loss_fn(y, target).detach())
+                    totals.add(self.loss_fn(y, to_device(share_tgt[m], self._device)))
             if not self.mesh.is_last:
                 self.link.send_activation(y, m)
-        loss = self._pass_loss_back(lambda: torch.stack(losses).mean())
+        loss = self._pass_loss_back(totals.contribution)
         self.link.flush()
         self.module.train(was_training)
         if replicas > 1:
-            loss = (loss / replicas).reshape(1)
+            loss = loss.reshape(1)
             comm.all_reduce_sum(loss, group=self.mesh.dp_group)
         return float(loss.reshape(-1)[0])
 
@@ -374,7 +386,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         micro = self.micro_batches
         micro_in = split_micro(inputs, micro) if self.mesh.is_first else []
         micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
-        scale = 1.0 / (self.gradient_accumulation * micro * self.mesh.replicas)
+        scale = 1.0 / (self.gradient_accumulation * micro * self.mesh.replicas)  # a mean's
         self.link.begin_round(micro, expect_loss=final)
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         actions = self.actions[self.mesh.stage]
@@ -413,9 +425,11 @@ class PipelineEngine(RecordsTimeline, Engine):
         with self.memory.forward(m), self.precision.autocast(self._device):
             y = self._run_stage(x, recompute=self.recompute)
             if self.mesh.is_last:
-                loss = self.loss_fn(y, to_device(micro_tgt[m], self._device))
-                self._losses.append(loss.detach())
-                y = loss * self.precision.loss_factor(scale)
+                loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
+                if self._totals.summed:  # divided by the global count, as one device does
+                    y = (loss / self._totals.divisor) * self.precision.loss_factor()
+                else:
+                    y = loss * self.precision.loss_factor(scale)
         if not self.mesh.is_last:
             self.link.send_activation(y, m)
             self.link.expect_gradient(m, y)
@@ -431,11 +445,9 @@ class PipelineEngine(RecordsTimeline, Engine):
         x, y = held.pop(m)
         grad = None if self.mesh.is_last else self.link.recv_gradient(m)
         if last:
-            self._step_loss = self._pass_loss_back(
-                lambda: torch.stack(self._losses).sum() / len(self._losses)
-            )
-            if self.reducer is not None:
-                self.reducer.arm(extras=self._step_loss / self.mesh.replicas)
+            self._step_loss = self._pass_loss_back(self._totals.contribution)
+            if self.reducer is not None:  # the replicas' contributions add up to the loss
+                self.reducer.arm(extras=self._step_loss)
         start = time.perf_counter()
         with self.memory.recording(m):
             if self.mesh.is_last:
