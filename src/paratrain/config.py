@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from paratrain.lr_schedule import SCHEDULES
 from paratrain.parallel import (
     declared_options,
     default_strategy,
@@ -59,6 +60,13 @@ class RunSettings:
     gradient_accumulation: int = field(default=1, metadata={"help": "micro-steps per step"})
     optimizer: str = field(default="adamw", metadata={"help": "sgd, adam or adamw"})
     lr: float = field(default=3e-3, metadata={"help": "learning rate"})
+    lr_schedule: str = field(
+        default="constant",
+        metadata={"help": "after warmup: constant, or cosine or linear decay to 0 at --steps"},
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}
+    )
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
     seed: int = field(default=0, metadata={"help": "seed for weights and data order"})
@@ -108,6 +116,7 @@ class RunSettings:
             ("eval_every", 0),
             ("sample_chars", 0),
             ("checkpoint_every", 0),
+            ("warmup_steps", 0),
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
         ):
@@ -120,6 +129,10 @@ class RunSettings:
             raise ConfigError(f"lr must be positive, not {self.lr}.")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, not {self.timeout}.")
+        if self.lr_schedule not in SCHEDULES:
+            raise ConfigError(
+                f"lr_schedule must be one of {', '.join(SCHEDULES)}, not {self.lr_schedule!r}."
+            )
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise ConfigError(f"optimizer must be sgd, adam or adamw, not {self.optimizer!r}.")
         if self.precision not in PRECISIONS:

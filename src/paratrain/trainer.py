@@ -24,6 +24,7 @@ import paratrain
 from paratrain.checkpoint import read_manifest
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
+from paratrain.lr_schedule import lr_factor, set_learning_rate
 from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import RunSpec, strategy_class, strategy_names
 from paratrain.parallel.fit_advice import advice
@@ -362,8 +363,20 @@ def train_worker(
     timed_from, timed_samples = start, 0
     stats = None
     remaining = config.steps - first + 1
+    # A stage without parameters (pipeline) holds no optimizer and nothing to schedule.
+    scheduled = engine.optimizer is not None and (
+        config.lr_schedule != "constant" or config.warmup_steps > 0
+    )
     for step, (inputs, targets) in enumerate(batches(train_loader, remaining), start=first):
         inject_fault(step, attempt)
+        if scheduled:
+            factor = lr_factor(
+                config.lr_schedule,
+                step,
+                total_steps=config.steps,
+                warmup_steps=config.warmup_steps,
+            )
+            set_learning_rate(engine.optimizer, config.lr * factor)
         stats = engine.train_step(inputs, targets)
         if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
             engine.save_checkpoint(
@@ -391,6 +404,11 @@ def train_worker(
                 comm_bytes=stats.comm_bytes,
                 skipped_steps=stats.skipped_steps,
                 **({"loss_scale": stats.loss_scale} if config.precision == "fp16" else {}),
+                **(
+                    {"lr": engine.optimizer.param_groups[0]["lr"]}
+                    if engine.optimizer is not None
+                    else {}
+                ),
             )
         if bar is not None:
             bar.update(1)

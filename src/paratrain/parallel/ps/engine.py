@@ -240,7 +240,11 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         self._layouts = [ShardLayout(shard) for shard in shards]
         by_name = dict(self._params)
         self._shard_params = [[by_name[s.name] for s in shard] for shard in shards]
-        self.optimizer = None  # the servers hold it
+        # The servers hold the real optimizer; this one is never stepped. It holds the
+        # user's parameter groups and hyperparameters, so that a learning-rate scheduler
+        # can drive it, and each step sends its rates to the servers where they changed.
+        self.optimizer = optimizer(self.model.parameters())
+        self._rates_sent = self._rates()
         self._prefix = f"paratrain/ps/{next(_engines)}"
         self.store = jobkeys.connect(timeout_s=timeout_s)
         self._processes = []
@@ -300,6 +304,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         check_divisible(samples, replicas=workers, micro_batches=k)
         bytes_before = self.link.bytes_sent
         self._pull(for_step=True)
+        self._send_rates()
         if self._last_compute_s is not None:
             self._straggle(self._last_compute_s)
         started = time.perf_counter()
@@ -486,6 +491,18 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             "samples_applied": lead["samples_applied"],
             "per_server": replies,
         }
+
+    def _rates(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def _send_rates(self) -> None:
+        """The servers' learning rates follow this worker's optimizer (a scheduler's, or
+        the user's own change): sent after the pull, so that in a synchronous round every
+        worker's rate for the step has arrived before the round's update."""
+        rates = self._rates()
+        if rates != self._rates_sent:
+            self.link.send_json(Op.RATES, [{"lr": rates}] * self.servers)
+            self._rates_sent = rates
 
     def run_metrics(self) -> dict[str, Any]:
         return self.ps_metrics()

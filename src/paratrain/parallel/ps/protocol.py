@@ -55,6 +55,7 @@ class Op(IntEnum):
     DONE = 7  # this worker will push no more: stop waiting for it
     BYE = 8  # this worker is done talking (implies DONE)
     ATTACH = 9  # map this worker's shared-memory push and pull regions (see shared_memory)
+    RATES = 10  # the learning rate of each parameter group, as the worker's optimizer has it
 
 
 class Status(IntEnum):

@@ -106,6 +106,15 @@ class ShardServer:
         }
         self.ordered = [self.params[s.name] for s in self.layout.specs]
         self.optimizer = build_optimizer(spec["optimizer"], self.params)
+        # Which of the worker's parameter groups each of this shard's groups is (a shard
+        # may hold no parameter of some group): learning rates arrive in the worker's order.
+        described = {
+            name: index
+            for index, group in enumerate(spec["optimizer"]["groups"])
+            for name in group["params"]
+        }
+        names = {id(p): name for name, p in self.params.items()}
+        self._group_of = [described[names[id(g["params"][0])]] for g in self.optimizer.param_groups]
         self.book = StalenessBook(self.workers, spec["staleness"])
         self.synchronous = spec["staleness"] == 0
         self.staleness_lr = spec["staleness_lr"]
@@ -167,7 +176,7 @@ class ShardServer:
             try:
                 reply = self._process(worker, op, header, payload)
             except (CheckpointError, OSError, KeyError, ValueError) as error:
-                if op not in (Op.SAVE, Op.LOAD, Op.ATTACH):
+                if op not in (Op.SAVE, Op.LOAD, Op.ATTACH, Op.RATES):
                     self._fatal(traceback.format_exc())
                 message = f"parameter server {self.index}: {error}"
                 data = encode_json({"error": message})
@@ -190,7 +199,7 @@ class ShardServer:
                 buffers = self._gloo_grads[worker] = self.layout.empty()
         elif op is Op.SET:
             buffers = self.layout.empty()
-        elif op in (Op.SAVE, Op.LOAD, Op.ATTACH):
+        elif op in (Op.SAVE, Op.LOAD, Op.ATTACH, Op.RATES):
             buffers = [torch.empty(int(header[5]), dtype=torch.uint8)]
         else:
             return []
@@ -233,6 +242,11 @@ class ShardServer:
                 return self._json_reply(self._metrics())
             if op is Op.ATTACH:
                 return self._json_reply(self._attach(worker, decode_json(payload[0])))
+            if op is Op.RATES:
+                rates = decode_json(payload[0])["lr"]
+                for group, index in zip(self.optimizer.param_groups, self._group_of, strict=True):
+                    group["lr"] = rates[index]
+                return self._json_reply({"set": True})
         raise ValueError(f"unknown request {op!r}")
 
     def _json_reply(self, value) -> list[torch.Tensor]:

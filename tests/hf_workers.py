@@ -1,0 +1,83 @@
+"""Hugging Face causal LMs from tiny configs (no downloads), for tests/test_hf_models.py;
+spawned workers import these by name."""
+
+from __future__ import annotations
+
+import torch
+
+STEPS, BATCH, LENGTH, VOCAB = 4, 8, 12, 64
+
+
+def build(kind: str) -> torch.nn.Module:
+    """GPT-2 (its LM head tied to the token embedding) or a Llama (untied), no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=LENGTH,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return GPT2LMHeadModel(config)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batches() -> list[tuple[dict, torch.Tensor]]:
+    """Right-padded sequences of uneven length: the attention mask is 0 and the label -100
+    on padding, so replicas hold different token counts."""
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(STEPS):
+        ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=generator)
+        lengths = torch.tensor([LENGTH - (row * 3 + step) % (LENGTH - 2) for row in range(BATCH)])
+        mask = (torch.arange(LENGTH) < lengths[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append(({"input_ids": ids, "attention_mask": mask}, labels))
+    return out
+
+
+def optimizer(name: str):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+
+
+def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options) -> tuple:
+    import paratrain
+    from paratrain.losses import causal_lm_cross_entropy
+
+    engine = paratrain.setup(
+        build(kind),
+        optimizer=optimizer(opt),
+        loss_fn=causal_lm_cross_entropy,
+        strategy=strategy,
+        gradient_accumulation=accumulation,
+        **options,
+    )
+    losses = [engine.train_step(x, y).loss for x, y in batches()]
+    return engine.state_dict(), losses
+
+
+def train_all(runs: list[tuple]) -> list[tuple]:
+    """Every (strategy, kind, optimizer, accumulation, options) in one launch."""
+    return [train(s, kind, opt, acc, **options) for s, kind, opt, acc, options in runs]
