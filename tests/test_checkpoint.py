@@ -95,3 +95,34 @@ def test_a_pickle_is_never_loaded(tmp_path):
     torch.save(sample_state(), path)
     with pytest.raises(CheckpointError):
         load_model_state(tmp_path / "ckpt")
+
+
+def test_a_tied_state_is_written_once_and_read_under_every_name(tmp_path):
+    """A state dict holding one tensor under two names (tied weights) saves; both read back."""
+    from safetensors.torch import load_file
+    from torch import nn
+
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    save_model_state(tmp_path / "ckpt", model.state_dict())
+    assert set(load_file(str(tmp_path / "ckpt" / "model-0.safetensors"))) == {"0.weight"}
+    checkpoint = Checkpoint(tmp_path / "ckpt")
+    assert checkpoint.manifest["aliases"] == {"model": {"1.weight": "0.weight"}}
+    assert checkpoint.names("model") == ["0.weight", "1.weight"]
+    state = load_model_state(tmp_path / "ckpt")
+    assert state["1.weight"] is state["0.weight"]
+    assert torch.equal(state["1.weight"], model[0].weight.detach())
+    fresh = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    fresh[1].weight = fresh[0].weight
+    fresh.load_state_dict(state, strict=True)
+    assert torch.equal(fresh[1].weight, model[0].weight)
+
+
+def test_an_alias_to_nothing_is_refused(tmp_path):
+    save_model_state(tmp_path / "ckpt", sample_state())
+    path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["aliases"] = {"model": {"9.weight": "missing"}}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="ties '9.weight' to 'missing'.*damaged"):
+        load_model_state(tmp_path / "ckpt")

@@ -12,7 +12,7 @@ from torch import nn
 
 import paratrain
 from paratrain.checkpoint import Checkpoint
-from paratrain.models import build_model, count_parameters, loss_for
+from paratrain.models import build_model, count_parameters
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.shards import FlatUnit, ZeroLayoutError
 from tests import workers, zero_workers
@@ -71,13 +71,6 @@ def test_zero_options_are_checked():
         paratrain.setup(
             nn.Linear(2, 2), optimizer=adam, loss_fn=F.mse_loss, strategy="zero3", bucket_mb=1
         )
-
-
-def test_zero3_refuses_weights_tied_across_layers():
-    model = build_model("gpt", vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
-    model[-1].weight = model[0].token.weight
-    with pytest.raises(ZeroLayoutError, match="share a parameter .tied weights.; untie them"):
-        paratrain.setup(model, optimizer=adam, loss_fn=loss_for("gpt"), strategy="zero3")
 
 
 # -- model-state bytes ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Layout of a checkpoint folder::
 
     manifest.json            format, version, the layout it was saved from, step, metadata,
-                             optimizer hyperparameters, and a sha256 per file
+                             optimizer hyperparameters, tied names, and a sha256 per file
     model-<rank>.safetensors model tensors in canonical names (the single-device model's keys)
     optim-<rank>.safetensors optimizer state as "<parameter name>/<state key>"
     rng-<rank>.safetensors   each worker's random-number-generator state
@@ -15,6 +15,12 @@ makes a checkpoint load at any device count and under any strategy. Nothing here
 unpickles: tensors are safetensors, everything else is JSON. The folder is assembled under a
 temporary name and renamed into place, so a crash mid-save never leaves a half-written
 checkpoint where a good one was.
+
+Tied weights (one tensor under several names, as an output head sharing the embedding) are
+stored once, under the canonical name (the one ``named_parameters()`` gives), and the
+manifest lists the other names as ``"aliases": {"model": {alias: canonical}}``. Readers
+answer an alias with the canonical tensor, so ``load_model_state`` returns every name the
+model's ``state_dict()`` has; optimizer state is keyed by canonical names only.
 """
 
 from __future__ import annotations
@@ -96,15 +102,42 @@ def prepare_staging(directory: str | Path) -> Path:
     return staging
 
 
+def shared_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: first name}`` for entries of ``state`` that are the same tensor view (a
+    tied model's ``state_dict()``), which safetensors refuses to write twice."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in state.items():
+        if tensor.device.type == "meta":
+            continue
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 def save_model_state(
     directory: str | Path,
     state: dict[str, torch.Tensor],
     *,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """A model-only checkpoint written by one process (no optimizer or RNG state)."""
+    """A model-only checkpoint written by one process (no optimizer or RNG state).
+
+    Entries that are one tensor under several names (tied weights) are written once and
+    recorded as aliases.
+    """
+    aliases = shared_names(state)
     staging = prepare_staging(directory)
-    entry = write_shard(staging, "model", 0, state)
+    entry = write_shard(staging, "model", 0, {k: v for k, v in state.items() if k not in aliases})
     return publish(
         directory,
         {
@@ -113,8 +146,14 @@ def save_model_state(
             "metadata": metadata or {},
             "files": {shard_name("model", 0): entry},
             "optimizer": None,
+            **alias_entry(aliases),
         },
     )
+
+
+def alias_entry(aliases: dict[str, str]) -> dict[str, Any]:
+    """The manifest's record of tied model names (nothing when there are none)."""
+    return {"aliases": {"model": dict(sorted(aliases.items()))}} if aliases else {}
 
 
 class Checkpoint:
@@ -129,6 +168,16 @@ class Checkpoint:
             self._handles[name] = self._verified_handle(name, entry)
             for key in self._handles[name].keys():
                 self._index[entry["kind"]][key] = name
+        self.aliases: dict[str, str] = dict((self.manifest.get("aliases") or {}).get("model", {}))
+        """Tied model names: ``{alias: canonical}``; the canonical tensor answers both."""
+        for alias, canonical in self.aliases.items():
+            if canonical not in self._index["model"] or alias in self._index["model"]:
+                raise CheckpointError(
+                    f"{self.directory / MANIFEST} ties {alias!r} to {canonical!r}, but the "
+                    "model files hold "
+                    + (f"{alias!r} itself" if alias in self._index["model"] else "neither")
+                    + ": the checkpoint is damaged."
+                )
 
     def _verified_handle(self, name: str, entry: dict[str, Any]):
         """Open one shard once its size and checksum match the manifest."""
@@ -160,9 +209,18 @@ class Checkpoint:
         return self.manifest.get("metadata", {})
 
     def names(self, kind: str) -> list[str]:
+        """Every name a ``kind`` tensor can be read by (tied aliases included)."""
+        if kind == "model":
+            return sorted([*self._index[kind], *self.aliases])
         return sorted(self._index[kind])
 
+    def stored(self, kind: str, name: str) -> bool:
+        """Whether ``name`` is a tensor of its own in the files (not absent, not an alias)."""
+        return name in self._index[kind]
+
     def tensor(self, kind: str, name: str) -> torch.Tensor:
+        if kind == "model":
+            name = self.aliases.get(name, name)
         file = self._index[kind].get(name)
         if file is None:
             raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
@@ -175,7 +233,12 @@ class Checkpoint:
             yield name, self.tensor(kind, name)
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return dict(self.tensors("model"))
+        """Every model name, as ``state_dict()`` has them: a tied alias is the same tensor
+        object as its canonical name (read once)."""
+        state = dict(self.tensors("model", sorted(self._index["model"])))
+        for alias, canonical in self.aliases.items():
+            state[alias] = state[canonical]
+        return dict(sorted(state.items()))
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
@@ -200,5 +263,8 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 
 def load_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """A plain model state dict (canonical names) for ``model.load_state_dict``, verified."""
+    """A plain model state dict (canonical names) for ``model.load_state_dict``, verified.
+
+    Holds every name the saved model's ``state_dict()`` had: tied names share one tensor.
+    """
     return Checkpoint(directory).model_state()

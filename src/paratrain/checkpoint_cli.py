@@ -24,14 +24,18 @@ def inspect_command(args: argparse.Namespace) -> int:
     checkpoint = _open(args.path)
     manifest = checkpoint.manifest
     model = checkpoint.model_state()
-    parameters = sum(t.numel() for t in model.values())
+    aliases = checkpoint.aliases
+    parameters = sum(t.numel() for name, t in model.items() if name not in aliases)
     layout = ", ".join(f"{k}={v}" for k, v in manifest.get("layout", {}).items())
     lines = [
         f"checkpoint {checkpoint.directory}: format version {manifest['version']}, "
         f"step {checkpoint.step}, checksums verified",
         f"  saved from        {layout}",
-        f"  model             {len(model)} tensors, {parameters:,} values",
+        f"  model             {len(model) - len(aliases)} tensors, {parameters:,} values",
     ]
+    if aliases:
+        ties = ", ".join(f"{alias} = {canonical}" for alias, canonical in aliases.items())
+        lines.append(f"  tied names        {ties} (stored once)")
     optim_keys = Counter(name.rpartition("/")[2] for name in checkpoint.names("optim"))
     if optim_keys:
         groups = (manifest.get("optimizer") or {}).get("param_groups", [])
@@ -49,7 +53,10 @@ def inspect_command(args: argparse.Namespace) -> int:
     width = max(len(name) for name in model) if model else 0
     lines.append("  model tensors:")
     for name, tensor in model.items():
-        lines.append(f"    {name:<{width}}  {str(tuple(tensor.shape)):<16} {tensor.dtype}")
+        if name in aliases:
+            lines.append(f"    {name:<{width}}  tied to {aliases[name]}")
+        else:
+            lines.append(f"    {name:<{width}}  {str(tuple(tensor.shape)):<16} {tensor.dtype}")
     print("\n".join(lines))
     return 0
 
@@ -57,14 +64,20 @@ def inspect_command(args: argparse.Namespace) -> int:
 def export_command(args: argparse.Namespace) -> int:
     checkpoint = _open(args.path)
     out = Path(args.out)
-    state = checkpoint.model_state()
+    state = checkpoint.model_state()  # every name; tied names share one tensor
     out.parent.mkdir(parents=True, exist_ok=True)
+    note = ""
     if out.suffix == ".safetensors":
-        save_file(state, str(out))
+        # safetensors stores no shared tensors: a tied name gets its own copy, so the file
+        # is still a complete state dict for load_state_dict(strict=True)
+        copies = {name: state[name].clone() for name in checkpoint.aliases}
+        save_file({**state, **copies}, str(out))
+        if copies:
+            note = f" ({len(copies)} tied name(s) written as copies: {', '.join(copies)})"
     elif out.suffix in (".pt", ".pth"):
         torch.save(state, out)  # tensors only: torch.load(out, weights_only=True) reads it
     else:
         raise ConfigError(f"export writes .safetensors or .pt files, not {out.name!r}.")
     total = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"wrote {out}: {len(state)} tensors, {format_bytes(total)}, step {checkpoint.step}")
+    print(f"wrote {out}: {len(state)} tensors, {format_bytes(total)}, step {checkpoint.step}{note}")
     return 0

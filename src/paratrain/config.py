@@ -74,6 +74,9 @@ class RunSettings:
     n_layer: int = field(default=4, metadata={"help": "transformer blocks (gpt)"})
     n_head: int = field(default=4, metadata={"help": "attention heads (gpt)"})
     n_embd: int = field(default=128, metadata={"help": "embedding width (gpt)"})
+    tie_embeddings: bool = field(
+        default=False, metadata={"help": "the head shares the token embedding's weight (gpt)"}
+    )
     hidden: int = field(default=256, metadata={"help": "hidden width (mlp)"})
     depth: int = field(default=3, metadata={"help": "hidden layers (mlp)"})
     precision: str = field(

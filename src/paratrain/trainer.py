@@ -184,6 +184,7 @@ def model_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, Any]:
             "n_layer": config.n_layer,
             "n_head": config.n_head,
             "n_embd": config.n_embd,
+            "tie_embeddings": config.tie_embeddings,
         }
     classes = bundle.num_classes
     if config.model == "mlp":

@@ -8,9 +8,11 @@ Layout::
     n_layer + 2: Linear(C, vocab_size, bias=False)               (B, T, C) -> (B, T, vocab)
 
 Every entry between the embedding and the head maps one ``(B, T, C)`` tensor to another,
-so a pipeline may cut between any two entries and send a single activation. Unlike
-nanoGPT the head is not tied to the token embedding: a tie would couple the first and last
-pipeline stages. No dropout anywhere, so parallel runs equal one device in fp32.
+so a pipeline may cut between any two entries and send a single activation. As in nanoGPT
+the head may share its weight with the token embedding (``tie_embeddings=True``); it is
+off by default. A tie couples the first and last pipeline stages: the pipeline engine
+keeps the two copies equal by summing their gradients, and zero3 shards the two entries
+as one unit. No dropout anywhere, so parallel runs equal one device in fp32.
 
 Initialisation follows nanoGPT: every Linear and Embedding weight ~ N(0, 0.02), biases
 zero, LayerNorm (1, 0), and the two residual projections of each block ~
@@ -159,11 +161,14 @@ def gpt(
     n_layer: int = 4,
     n_head: int = 4,
     n_embd: int = 128,
+    tie_embeddings: bool = False,
 ) -> nn.Sequential:
     """Build the decoder; it maps token ids ``(B, T)``, ``T <= block_size``, to logits.
 
     The defaults (65 characters, as in tiny-shakespeare) give a ~0.8M parameter model
     that trains on a CPU in minutes; pair it with ``sequence_cross_entropy``.
+    ``tie_embeddings=True`` makes the head's weight the token embedding's Parameter
+    (``model[-1].weight is model[0].token.weight``), as nanoGPT and GPT-2 do.
     """
     _check_config(
         vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd
@@ -171,8 +176,11 @@ def gpt(
     residual_std = INIT_STD / math.sqrt(2 * n_layer)
     head = nn.Linear(n_embd, vocab_size, bias=False)
     _init_linear(head)
+    embedding = Embedding(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd)
+    if tie_embeddings:
+        head.weight = embedding.token.weight  # one Parameter, N(0, 0.02) as both would be
     return nn.Sequential(
-        Embedding(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd),
+        embedding,
         *(Block(n_embd=n_embd, n_head=n_head, residual_std=residual_std) for _ in range(n_layer)),
         nn.LayerNorm(n_embd),
         head,
@@ -186,6 +194,7 @@ def gpt_parameter_count(
     n_layer: int = 4,
     n_head: int = 4,
     n_embd: int = 128,
+    tie_embeddings: bool = False,
 ) -> int:
     """Parameters of ``gpt(**same config)``, by formula, without allocating the model.
 
@@ -202,7 +211,7 @@ def gpt_parameter_count(
     # + proj (4C^2 + C)
     block = 12 * c * c + 10 * c
     final_norm = 2 * c
-    head = c * vocab_size
+    head = 0 if tie_embeddings else c * vocab_size
     return embedding + n_layer * block + final_norm + head
 
 

@@ -5,6 +5,11 @@ Works on any engine through a few hooks it exposes (``named_local_state``,
 and every strategy loads, at any device count: a worker writes the part of the state it
 owns, and a worker loading takes, by name, the part it now needs.
 Engines whose state is flat-sharded (ZeRO) implement ``ShardedCheckpointState`` instead.
+
+Tied weights (``ties``): the engine's ``tied_names()`` says which model names are aliases
+of another; a worker writes only canonical names (a pipeline stage holding only the
+alias of a tensor another stage holds writes nothing for it), the manifest records the
+aliases, and optimizer state goes under canonical names.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from paratrain.checkpoint import (
     Checkpoint,
     CheckpointError,
+    alias_entry,
     prepare_staging,
     publish,
     staging_dir,
@@ -38,6 +44,7 @@ class CheckpointHooks(Protocol):
 
     def named_local_state(self) -> dict[str, torch.Tensor]: ...
     def named_local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+    def tied_names(self) -> dict[str, str]: ...
     def writes_shard(self) -> bool: ...
     def covers_whole_model(self) -> bool: ...
     def layout(self) -> dict[str, Any]: ...
@@ -84,21 +91,26 @@ def save_engine_checkpoint(
     staging = staging_dir(directory)
     files: dict[str, dict] = {}
     groups = None
+    aliases = engine.tied_names()
     if isinstance(engine, ShardedCheckpointState):
         model_state, optim_tensors, groups = engine.gather_checkpoint_state()
         if engine.writes_shard():
+            model_state = {k: v for k, v in model_state.items() if k not in aliases}
             files[f"model-{rank}.safetensors"] = write_shard(staging, "model", rank, model_state)
             if engine.optimizer is not None:
                 files[f"optim-{rank}.safetensors"] = write_shard(
                     staging, "optim", rank, optim_tensors
                 )
     elif engine.writes_shard():
-        names = {id(p): name for name, p in engine.named_local_parameters()}
-        files[f"model-{rank}.safetensors"] = write_shard(
-            staging, "model", rank, engine.named_local_state()
-        )
+        local = engine.named_local_parameters()
+        names = {id(p): aliases.get(name, name) for name, p in local}
+        owned = {name for name, _ in local if name not in aliases}
+        model_state = {k: v for k, v in engine.named_local_state().items() if k not in aliases}
+        files[f"model-{rank}.safetensors"] = write_shard(staging, "model", rank, model_state)
         if engine.optimizer is not None:
             tensors, groups = named_optimizer_state(engine.optimizer, names)
+            tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[0] in owned}
+            groups = [{**g, "params": [n for n in g["params"] if n in owned]} for g in groups]
             files[f"optim-{rank}.safetensors"] = write_shard(staging, "optim", rank, tensors)
     rng = {"torch_cpu": torch.get_rng_state()}
     if engine.device.type == "cuda":
@@ -121,6 +133,7 @@ def save_engine_checkpoint(
                 "files": {k: v for p in parts for k, v in p["files"].items()},
                 "optimizer": {"param_groups": [g for p in parts for g in p["groups"]]},
                 "python_rng": {str(r): p["python_rng"] for r, p in enumerate(parts)},
+                **alias_entry(aliases),
             },
         )
     if comm.distributed():
@@ -145,6 +158,8 @@ def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Ch
             f"{checkpoint.directory} holds {extra[0]!r}, which this model does not have: it was "
             "saved from a different model."
         )
+    aliases = engine.tied_names()
+    check_ties(checkpoint, aliases, local)
     if isinstance(engine, ShardedCheckpointState):
         engine.load_checkpoint_state(checkpoint)
         _restore_rng(engine, checkpoint)
@@ -152,14 +167,15 @@ def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Ch
         return checkpoint
     with torch.no_grad():
         for name, tensor in local.items():
-            tensor.copy_(checkpoint.tensor("model", name))
+            if aliases.get(name) not in local:  # a tied tensor is written once
+                tensor.copy_(checkpoint.tensor("model", name))
     optimizer_meta = checkpoint.manifest.get("optimizer")
     if engine.optimizer is not None and optimizer_meta:
         state_keys: dict[str, list[str]] = defaultdict(list)
         for key in checkpoint.names("optim"):
             name, _, state_key = key.rpartition("/")
             state_keys[name].append(state_key)
-        names = {id(p): name for name, p in engine.named_local_parameters()}
+        names = {id(p): aliases.get(name, name) for name, p in engine.named_local_parameters()}
         load_named_optimizer_state(
             engine.optimizer,
             names,
@@ -170,6 +186,22 @@ def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Ch
     _restore_rng(engine, checkpoint)
     engine.steps_taken = checkpoint.step
     return checkpoint
+
+
+def check_ties(checkpoint: Checkpoint, aliases: dict[str, str], local) -> None:
+    """Refuse a checkpoint holding two different tensors for names this model ties: one
+    tensor cannot take both (it was saved from a model without the tie)."""
+    for alias, canonical in aliases.items():
+        stored = checkpoint.stored("model", alias) and checkpoint.stored("model", canonical)
+        if alias not in local or not stored:
+            continue
+        saved = checkpoint.tensor("model", alias), checkpoint.tensor("model", canonical)
+        if not torch.equal(*saved):
+            raise CheckpointError(
+                f"{checkpoint.directory} holds different values for {canonical!r} and "
+                f"{alias!r}, which this model ties (one tensor): it was saved from a model "
+                "without the tie; untie the model to load it."
+            )
 
 
 def _restore_rng(engine: CheckpointHooks, checkpoint: Checkpoint) -> None:

@@ -25,6 +25,7 @@ from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.options import RunSpec, StrategyOption
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import strategy_class, strategy_names
+from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 from paratrain.runtime.memory import model_state_bytes
@@ -273,6 +274,11 @@ class Engine(ABC):
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This worker's parameters under canonical names (to key optimizer state)."""
         return list(self.model.named_parameters())
+
+    def tied_names(self) -> dict[str, str]:
+        """``{alias: canonical}`` for the whole model's tied names (see ``ties``); the
+        same on every worker, whichever part of the model it holds."""
+        return tied_names(self.model)
 
     def writes_shard(self) -> bool:
         """Whether this worker writes its model and optimizer state when saving.

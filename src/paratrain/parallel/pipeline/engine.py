@@ -10,6 +10,8 @@ all-reduce the dp engine uses.
 
 Equal to the single-device engine: micro-batch losses are scaled by 1/(micro-batches x
 accumulation rounds x replicas), so the summed gradients are those of the global-batch mean.
+A Parameter tied across stages (an output head sharing the embedding) has a copy on each
+stage that uses it; ``ties`` keeps the copies equal by summing their gradients.
 
 Mixed precision: each stage runs its layers under the ``Precision``'s autocast, so the
 activations and gradients passed between stages travel in bf16/fp16. Under fp16 the loss
@@ -55,6 +57,7 @@ from paratrain.parallel.pipeline.partition import (
 )
 from paratrain.parallel.pipeline.schedules import get_schedule
 from paratrain.parallel.pipeline.structure import flatten, floating
+from paratrain.parallel.pipeline.ties import CrossStageTies, release_shared
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import register
 from paratrain.parallel.strategy import (
@@ -65,6 +68,7 @@ from paratrain.parallel.strategy import (
     StepStats,
     require_process_group,
 )
+from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
 from paratrain.runtime.mesh import check_degrees, pipeline_mesh
 
@@ -210,12 +214,18 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.balance = choose_balance(
             layers, stages, balance=balance, balance_by=balance_by, sample_input=sample_input
         )
-        start, end = stage_bounds(self.balance)[self.mesh.stage]
+        bounds = stage_bounds(self.balance)
+        start, end = bounds[self.mesh.stage]
         self.slice = LayerSlice(start, end, prefix)
+        self._tied_names = tied_names(model)  # of the whole model, before it is cut
+        self.ties = CrossStageTies(layers, bounds, self.mesh, self.slice)
+        kept = {id(p) for index in range(start, end) for p in layers[index].parameters()}
         for index, layer in enumerate(layers):
             if not start <= index < end:
+                release_shared(layer, kept)  # a tied Parameter stays whole on this stage
                 layer.to("meta")  # frees the memory of layers other stages own
         self.module = nn.Sequential(*[layers[i] for i in range(start, end)]).to(self._device)
+        self.ties.attach(self.module, self.slice)
         self.recompute = recompute
         self.reducer: BucketedGradientReducer | None = None
         if self.mesh.replicas > 1:
@@ -228,6 +238,7 @@ class PipelineEngine(RecordsTimeline, Engine):
                 bucket_bytes=int(bucket_mb * MiB),
                 first_bucket_bytes=int(bucket_mb * MiB),
             )
+        self.ties.broadcast_values()  # copies of a tied Parameter start equal
         # A stage may hold only parameter-free layers (an activation, a reshape).
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
@@ -303,6 +314,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         loss = self._step_loss
         if self.reducer is not None:
             loss = self.reducer.finish(extras_count=1)[0]
+        self.ties.reduce_gradients()  # after the replicas' reduction, as Megatron does
         grads = (p.grad for p in self.module.parameters())  # read only under fp16
         finite = self.precision.unscale_and_check(grads, device=self._device)  # whole-job vote
         if finite and self.optimizer is not None:
@@ -369,6 +381,9 @@ class PipelineEngine(RecordsTimeline, Engine):
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(self.slice.canonical(n), p) for n, p in self.module.named_parameters()]
+
+    def tied_names(self) -> dict[str, str]:
+        return self._tied_names
 
     def writes_shard(self) -> bool:
         return self.mesh.replica == 0

@@ -25,6 +25,7 @@ import torch
 from paratrain.checkpoint import (
     Checkpoint,
     CheckpointError,
+    alias_entry,
     prepare_staging,
     publish,
     shard_name,
@@ -38,7 +39,7 @@ class ServerCheckpoints:
     """The ps engine's ``save_checkpoint`` and ``load_checkpoint``: the servers write and
     read the parameters and optimizer state, a worker the buffers and RNG. The engine
     provides ``link``, ``servers``, ``store``, ``claim``, ``wait_for_bound``, ``model``,
-    ``precision``, ``timeout_s``, ``layout`` and ``steps_taken``."""
+    ``precision``, ``timeout_s``, ``layout``, ``tied_names`` and ``steps_taken``."""
 
     def save_checkpoint(self, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
         """Save the servers' parameters and optimizer state (see the module's docstring).
@@ -60,9 +61,11 @@ class ServerCheckpoints:
         return checkpoint
 
     def _model_buffers(self) -> dict[str, torch.Tensor]:
-        """The persistent buffers of the model (the parameters live on the servers)."""
-        names = {name for name, _ in self.model.named_parameters()}
-        return {k: v for k, v in self.model.state_dict().items() if k not in names}
+        """The persistent buffers of the model (the parameters live on the servers; a tied
+        parameter's other names are aliases, recorded in the manifest)."""
+        names = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        aliases = self.tied_names()
+        return {k: v for k, v in self.model.state_dict().items() if k not in names | aliases.keys()}
 
     def _save(self, directory: Path, metadata: dict) -> Path:
         """Publish a checkpoint of the servers' current state, if this worker is first."""
@@ -94,6 +97,7 @@ class ServerCheckpoints:
                 "files": files,
                 "optimizer": {"param_groups": groups},
                 "python_rng": {"0": _python_rng()},
+                **alias_entry(self.tied_names()),
             },
         )
 

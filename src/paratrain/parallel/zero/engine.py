@@ -27,7 +27,10 @@ Units: stages 1-2 pack parameters, in reverse registration order (roughly the or
 backward produces gradients), into buckets of ``bucket_mb`` (as DDP does), so backward
 overlaps the reduce-scatter of finished buckets with the rest. Stage 3's units are the
 model's top-level children (the layers of an ``nn.Sequential``) plus the parameters
-registered on the model itself.
+registered on the model itself; children sharing a parameter (tied weights) are one unit.
+A tied parameter is one Parameter, so it sits in one unit under its canonical name (the
+one ``named_parameters()`` gives) at every stage, and gets its summed gradient as on one
+device.
 
 The optimizer factory receives flat slices, not the model's parameters, so per-parameter
 groups (e.g. no weight decay on biases) cannot be expressed: one group applies to all,
@@ -267,9 +270,10 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         for unit in self.units:
             unit.load_full(fetch)
             in_units.update(unit.names)
+        aliases = self.tied_names()  # a tied tensor is set once, under its canonical name
         with torch.no_grad():
             for name, tensor in self.model.state_dict().items():
-                if name not in in_units:
+                if name not in in_units and name not in aliases:
                     tensor.copy_(fetch(name))
 
 
@@ -401,8 +405,9 @@ class Zero3Engine(ZeroEngine):
         named = dict(self.model.named_parameters())
         by_id = {id(p): n for n, p in named.items()}
         units = []
-        for label, module in modules:
-            params = [(by_id[id(p)], p) for p in module.parameters() if p.requires_grad]
+        for label, children in modules:
+            held = dict.fromkeys(p for child in children for p in child.parameters())
+            params = [(by_id[id(p)], p) for p in held if p.requires_grad]
             units.append(self._unit(label, params))
         in_units = {id(p) for unit in units for p in unit.params}
         root_params = [(n, p) for n, p in trainable(list(named.items())) if id(p) not in in_units]
@@ -431,7 +436,12 @@ class Zero3Engine(ZeroEngine):
             for name, param in zip(unit.names, unit.params, strict=True):
                 gathered[name] = param.detach().to("cpu", copy=True)
             unit.release()
-        return {
-            name: gathered[name] if name in gathered else value.detach().to("cpu", copy=True)
-            for name, value in self.model.state_dict().items()
-        }
+        aliases = self.tied_names()
+        state = {}
+        for name, value in self.model.state_dict().items():
+            canonical = aliases.get(name, name)
+            if canonical in gathered:
+                state[name] = gathered[canonical].clone() if name in aliases else gathered[name]
+            else:
+                state[name] = value.detach().to("cpu", copy=True)
+        return state

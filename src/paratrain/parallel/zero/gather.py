@@ -3,6 +3,10 @@
 The units are the top-level model's children (the layers of an ``nn.Sequential`` such as
 paratrain's models); parameters registered on the top-level module itself form one more
 unit, the root, gathered when the model's forward starts and freed after backward.
+Children that share a Parameter (an output head tied to the embedding) form one unit
+together: the hooks below sit on each of them, and since a unit is freed after backward
+only once all its gradients are accumulated, such a unit stays gathered from the
+backward of its last child to that of its first (for a tied head, most of backward).
 
 - Forward: a forward pre-hook all-gathers the unit's parameters; a forward hook frees them
   again and, when autograd will need them, registers a hook on the unit's output tensors.
@@ -42,31 +46,42 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from paratrain.parallel.batching import map_tensors
-from paratrain.parallel.zero.shards import FlatUnit, ZeroLayoutError
+from paratrain.parallel.zero.shards import FlatUnit
 
 
-def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules sharded as units: the model's direct children that hold parameters.
+def unit_modules(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The modules sharded as units: the model's direct children that hold parameters,
+    children sharing a parameter (tied weights) joined into one unit labelled ``"0+4"``
+    and placed where its first child is."""
+    children = [
+        (name, child)
+        for name, child in model.named_children()
+        if any(p.requires_grad for p in child.parameters())
+    ]
+    joined = list(range(len(children)))  # union-find over children sharing a parameter
 
-    A parameter reachable from two children (tied weights) is refused: it would be freed
-    by one unit while the other still computes with it.
-    """
-    owner: dict[int, str] = {}
-    units = []
-    for name, child in model.named_children():
-        params = [p for p in child.parameters() if p.requires_grad]
-        if not params:
-            continue
-        for param in params:
+    def root(i: int) -> int:
+        while joined[i] != i:
+            i = joined[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for index, (_, child) in enumerate(children):
+        for param in child.parameters():
+            if not param.requires_grad:
+                continue
             if id(param) in owner:
-                raise ZeroLayoutError(
-                    f"zero3 shards each child of the model separately, but children "
-                    f"{owner[id(param)]!r} and {name!r} share a parameter (tied weights); "
-                    "untie them or use strategy='zero2'."
-                )
-            owner[id(param)] = name
-        units.append((name, child))
-    return units
+                a, b = sorted((root(owner[id(param)]), root(index)))
+                joined[b] = a
+            else:
+                owner[id(param)] = index
+    groups: dict[int, list[int]] = {}
+    for index in range(len(children)):
+        groups.setdefault(root(index), []).append(index)
+    return [
+        ("+".join(children[i][0] for i in members), [children[i][1] for i in members])
+        for members in groups.values()
+    ]
 
 
 class ParameterGatherer:
@@ -75,7 +90,7 @@ class ParameterGatherer:
     def __init__(
         self,
         model: nn.Module,
-        modules: list[nn.Module],
+        modules: list[list[nn.Module]],
         units: list[FlatUnit],
         root: FlatUnit | None,
         *,
@@ -86,9 +101,10 @@ class ParameterGatherer:
         self.root = root
         self._needs_backward_gather: dict[int, bool] = {}
         self._in_backward = False
-        for module, unit in zip(modules, units, strict=True):
-            module.register_forward_pre_hook(self._pre_forward(unit))
-            module.register_forward_hook(self._post_forward(unit))
+        for unit_children, unit in zip(modules, units, strict=True):
+            for module in unit_children:
+                module.register_forward_pre_hook(self._pre_forward(unit))
+                module.register_forward_hook(self._post_forward(unit))
         if root is not None:
             model.register_forward_pre_hook(lambda _module, _args: root.gather(self.group))
 

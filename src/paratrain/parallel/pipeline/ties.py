@@ -1,0 +1,118 @@
+"""Weights tied across pipeline stages, kept one weight as on a single device.
+
+A language model's output head usually shares the input embedding's Parameter; a pipeline
+puts the embedding on the first stage and the head on the last, so each of those stages
+holds its own copy. On one device the shared Parameter's gradient is the sum of what both
+uses contribute; here each copy sees only its own stage's share. As Megatron-LM does with
+its embedding group, the stages holding copies of a tied Parameter form a process group
+(one per replica): the copies start equal (the first of those stages broadcasts its
+values), and every step their gradients are summed over that group, after the gradient
+reduction across replicas and before the optimizer step. With equal values, equal
+gradients and the same optimizer, every copy then takes the same step and keeps the same
+optimizer state, so the copies stay bit-for-bit equal. Checkpoints store the tensor once,
+under its canonical name, written by the stage that holds that name (``ties``).
+
+A tie between layers of one stage needs none of this: that stage holds one Parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.parallel.layers import LayerSlice
+from paratrain.runtime import comm
+from paratrain.runtime.mesh import PipelineMesh
+
+
+def release_shared(layer: nn.Module, kept: set[int]) -> None:
+    """Give ``layer`` (about to go to the meta device) placeholders for the Parameters it
+    shares with this stage's layers (ids in ``kept``), so that moving it cannot move them
+    (``Module.to`` may convert a Parameter in place, e.g. under torch's swap-tensors mode).
+    """
+    for module in layer.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in kept:
+                placeholder = torch.empty_like(param, device="meta")
+                module._parameters[name] = nn.Parameter(placeholder, param.requires_grad)
+
+
+def _stage_of(bounds: list[tuple[int, int]], index: int) -> int:
+    return next(s for s, (start, end) in enumerate(bounds) if start <= index < end)
+
+
+class CrossStageTies:
+    """The tied Parameters of a layer list that span stages, and this stage's share of them.
+
+    Built from the whole layer list before other stages' layers leave this worker; every
+    rank must build it (creating process groups is collective).
+    """
+
+    def __init__(
+        self,
+        layers: nn.Sequential,
+        bounds: list[tuple[int, int]],
+        mesh: PipelineMesh,
+        stage_slice: LayerSlice,
+    ) -> None:
+        stages_of: dict[int, set[int]] = {}
+        names: dict[int, list[str]] = {}
+        for index, layer in enumerate(layers):
+            for name, param in layer.named_parameters(remove_duplicate=False):
+                stages_of.setdefault(id(param), set()).add(_stage_of(bounds, index))
+                names.setdefault(id(param), []).append(f"{stage_slice.prefix}{index}.{name}")
+        # stage set -> full-model names (one per tied Parameter) held by this stage
+        spans: dict[tuple[int, ...], list[str]] = {}
+        for key, stages in stages_of.items():
+            if len(stages) > 1:
+                spans.setdefault(tuple(sorted(stages)), []).append(names[key][0])
+        self._names = {key: names[key] for key, stages in stages_of.items() if len(stages) > 1}
+        self.groups: list[tuple[dist.ProcessGroup, list[str]]] = []
+        """(group of this replica's stages holding the tie, their canonical names)."""
+        for stages, canonical in spans.items():  # the same order on every rank
+            for replica in range(mesh.replicas):
+                members = [mesh.rank_of(stage, replica) for stage in stages]
+                group = dist.new_group(members)
+                if replica == mesh.replica and mesh.stage in stages:
+                    self.groups.append((group, canonical))
+        self.params: list[list[nn.Parameter]] = []
+
+    def attach(self, module: nn.Module, stage_slice: LayerSlice) -> None:
+        """Find this stage's copies in its module (after the other layers went to meta)."""
+        local = dict(module.named_parameters(remove_duplicate=False))
+        by_canonical = {names[0]: names for names in self._names.values()}
+        self.params = []
+        for _, canonical in self.groups:
+            params = []
+            for name in canonical:
+                held = [stage_slice.local(n) for n in by_canonical[name]]
+                params.append(next(local[n] for n in held if n is not None and n in local))
+            self.params.append(params)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def broadcast_values(self) -> None:
+        """Make every copy equal to the first stage's (the lowest rank of each group)."""
+        for (group, _), params in zip(self.groups, self.params, strict=True):
+            comm.broadcast_tensors(params, src=0, group=group)
+
+    def reduce_gradients(self) -> None:
+        """Sum each tied Parameter's gradient over the stages that hold a copy."""
+        for (group, _), all_params in zip(self.groups, self.params, strict=True):
+            params = [p for p in all_params if p.requires_grad]
+            if not params:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce_sum(flat, group=group)
+            offset = 0
+            for param, grad in zip(params, grads, strict=True):
+                n = grad.numel()
+                summed = flat[offset : offset + n].view_as(grad)
+                if param.grad is None:
+                    param.grad = summed.clone()
+                else:
+                    param.grad.copy_(summed)
+                offset += n
