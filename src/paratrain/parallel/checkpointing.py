@@ -205,12 +205,18 @@ def check_ties(checkpoint: Checkpoint, aliases: dict[str, str], local) -> None:
 
 
 def _restore_rng(engine: CheckpointHooks, checkpoint: Checkpoint) -> None:
-    """This rank's saved generator state, or rank 0's when the layout had fewer ranks."""
+    """This rank's saved generator states, so that it continues its own random stream.
+
+    A rank the saving layout did not have keeps the stream its engine gave it at setup
+    (``replica_rng``): taking another rank's would make two workers draw the same dropout
+    masks. Streams of ranks the loading layout lacks are dropped.
+    """
     rank = comm.rank()
-    source = rank if f"torch_cpu/{rank}" in checkpoint.names("rng") else 0
-    torch.set_rng_state(checkpoint.tensor("rng", f"torch_cpu/{source}"))
-    if engine.device.type == "cuda" and f"torch_cuda/{source}" in checkpoint.names("rng"):
-        torch.cuda.set_rng_state(checkpoint.tensor("rng", f"torch_cuda/{source}"), engine.device)
-    python = checkpoint.manifest.get("python_rng", {}).get(str(source))
+    if f"torch_cpu/{rank}" not in checkpoint.names("rng"):
+        return
+    torch.set_rng_state(checkpoint.tensor("rng", f"torch_cpu/{rank}"))
+    if engine.device.type == "cuda" and f"torch_cuda/{rank}" in checkpoint.names("rng"):
+        torch.cuda.set_rng_state(checkpoint.tensor("rng", f"torch_cuda/{rank}"), engine.device)
+    python = checkpoint.manifest.get("python_rng", {}).get(str(rank))
     if python:
         random.setstate((python[0], tuple(python[1]), python[2]))

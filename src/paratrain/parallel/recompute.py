@@ -51,9 +51,9 @@ def segments(layers: nn.Sequential) -> list[nn.Sequential]:
     return [nn.Sequential(*run) for run in runs]
 
 
-def recomputing_forward(model: nn.Module) -> Callable[[Any], Any]:
-    """``model``'s forward with each segment's activations recomputed in backward."""
-    layers, _ = layer_list(model)
+def refuse_batchnorm(layers: nn.Module) -> None:
+    """Refuse recompute for layers holding BatchNorm: the recompute is a second training
+    forward, which would update the running statistics a second time."""
     norms = [name for name, module in layers.named_modules() if isinstance(module, _BatchNorm)]
     if norms:
         raise ValueError(
@@ -61,6 +61,12 @@ def recomputing_forward(model: nn.Module) -> Callable[[Any], Any]:
             f"{norms[0]!r} twice per step (forward and recompute); use recompute=False "
             "for this model."
         )
+
+
+def recomputing_forward(model: nn.Module) -> Callable[[Any], Any]:
+    """``model``'s forward with each segment's activations recomputed in backward."""
+    layers, _ = layer_list(model)
+    refuse_batchnorm(layers)
 
     parts = segments(layers)  # new containers around the same layers: names unchanged
 

@@ -6,8 +6,11 @@ replica runs forward and backward on its contiguous share of the global batch, s
 that start during the last micro-batch's backward (see ``grad_buckets``). The result is
 the same function as the single-device engine on the same global batch.
 
-Buffers (e.g. BatchNorm running statistics) are made equal at start and then stay per
-replica, as with DDP's ``broadcast_buffers=False``; rank 0's are the ones saved.
+Buffers (e.g. BatchNorm running statistics) are made equal at start and, as DDP does by
+default, the first replica's are sent to the others before each step and each evaluation
+(``broadcast_buffers``; see ``buffer_sync``); ``sync_batchnorm=True`` computes BatchNorm
+statistics over the global batch instead (see ``sync_batchnorm``). Each replica draws
+from a random stream of its own (dropout masks differ; see ``replica_rng``).
 
 Mixed precision: forwards run under the ``Precision``'s autocast; under fp16 the loss is
 multiplied by the loss scale too, and since the all-reduced gradients are identical on
@@ -30,6 +33,7 @@ from paratrain.parallel.batching import (
     check_divisible,
     split_micro,
 )
+from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
@@ -45,6 +49,7 @@ from paratrain.parallel.strategy import (
     StepStats,
     require_process_group,
 )
+from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.runtime import comm
 
 
@@ -55,7 +60,9 @@ class DataParallelEngine(ReplicaShare, Engine):
     Options: ``bucket_mb`` (all-reduce bucket size, DDP's default 25), ``first_bucket_mb``
     (the first bucket's size), ``group`` (the process group of the replicas; the whole job
     by default), ``recompute`` (keep only each layer's input for backward and recompute
-    the rest; see ``recompute``).
+    the rest; see ``recompute``), ``broadcast_buffers`` (send the first replica's buffers
+    to the others before each step, as DDP; default True), ``sync_batchnorm`` (BatchNorm
+    statistics over the global batch; default False).
 
     ``first_bucket_mb`` defaults by backend. On NCCL it is 1 MiB, as in DDP: a small first
     message leaves early and the GPU's copy engines overlap it with the rest of backward.
@@ -64,7 +71,7 @@ class DataParallelEngine(ReplicaShare, Engine):
     latency (measured: 5-10% slower steps on ``mlp`` at 2 and 4 workers).
     """
 
-    options = (BUCKET_MB, RECOMPUTE)
+    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM)
     default = True  # the strategy most runs want: the model fits, the batch splits
     advice_rank = 0
 
@@ -81,6 +88,8 @@ class DataParallelEngine(ReplicaShare, Engine):
         first_bucket_mb: float | None = None,
         group: ProcessGroup | None = None,
         recompute: bool = False,
+        broadcast_buffers: bool = True,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -101,9 +110,8 @@ class DataParallelEngine(ReplicaShare, Engine):
         self.group = group
         self._replicas = comm.world_size(group)
         self._replica_rank = comm.rank(group)
-        self.model = model.to(self._device)
-        comm.broadcast_tensors(
-            [*self.model.parameters(), *self.model.buffers()], src=0, group=group
+        self.model = self._replicate(
+            model, broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm
         )
         self.reducer: BucketedGradientReducer | None = None
         if self._replicas > 1:
@@ -151,6 +159,7 @@ class DataParallelEngine(ReplicaShare, Engine):
         scale = 1.0 / (k * replicas)
         backward_scale = self.precision.loss_factor(scale)
         local_sum = torch.zeros((), device=self._device)
+        self._sync_buffers(training=True)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             with self.memory.forward(index), self.precision.autocast(self._device):

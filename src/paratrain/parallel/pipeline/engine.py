@@ -19,6 +19,10 @@ scale multiplies the last stage's loss; each stage holds different gradients, so
 to skip an overflowing step is voted on by the whole job (one all-reduce of a flag).
 The memory ledger counts the stage's saved activations and, as communication buffers,
 the point-to-point buffers posted and not yet flushed.
+
+Every worker draws from a random stream of its own (``replica_rng``); a stage draws its
+micro-batches' dropout masks in micro-batch order whatever the schedule. ``recompute``
+refuses models with BatchNorm, whose running statistics the recompute would update twice.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ from paratrain.parallel.pipeline.schedules import get_schedule
 from paratrain.parallel.pipeline.structure import flatten, floating
 from paratrain.parallel.pipeline.ties import CrossStageTies, release_shared
 from paratrain.parallel.precision import Precision
+from paratrain.parallel.recompute import refuse_batchnorm
 from paratrain.parallel.registry import register
+from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.strategy import (
     Engine,
     LossFn,
@@ -141,7 +147,10 @@ class PipelineEngine(RecordsTimeline, Engine):
         if run.build_model is None:
             return
         stages, balance = run.options.get("stages", 2), run.options.get("balance")
-        layers = len(layer_list(run.build_model())[0])
+        model_layers = layer_list(run.build_model())[0]
+        if run.options.get("recompute"):
+            refuse_batchnorm(model_layers)
+        layers = len(model_layers)
         check_stages(layers, stages)
         if balance is not None:
             validate_balance(balance, layers=layers, stages=stages)
@@ -205,6 +214,8 @@ class PipelineEngine(RecordsTimeline, Engine):
         )
         require_process_group(self.name)
         layers, prefix = layer_list(model)
+        if recompute:
+            refuse_batchnorm(layers)  # before any collective: every worker refuses alike
         self.micro_batches = micro_batches or 2 * stages
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
@@ -239,6 +250,7 @@ class PipelineEngine(RecordsTimeline, Engine):
                 first_bucket_bytes=int(bucket_mb * MiB),
             )
         self.ties.broadcast_values()  # copies of a tied Parameter start equal
+        separate_streams()
         # A stage may hold only parameter-free layers (an activation, a reshape).
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim

@@ -36,7 +36,9 @@ The optimizer factory receives flat slices, not the model's parameters, so per-p
 groups (e.g. no weight decay on biases) cannot be expressed: one group applies to all,
 and an optimizer not known to be elementwise is refused (``optim``) unless the user
 passes ``elementwise_optimizer=True``.
-Frozen parameters (``requires_grad=False``) and buffers stay replicated as in ``dp``.
+Frozen parameters (``requires_grad=False``) and buffers stay replicated as in ``dp``, and
+``broadcast_buffers``, ``sync_batchnorm`` and each replica's own random stream work as
+there (``replicas``).
 
 Mixed precision (``precision=``) works as in ``dp``: forward under autocast, fp32
 parameters, gradients and optimizer state; under fp16 each rank checks its own gradient
@@ -66,6 +68,7 @@ from paratrain.parallel.batching import (
     check_divisible,
     split_micro,
 )
+from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.precision import Precision
@@ -80,6 +83,7 @@ from paratrain.parallel.strategy import (
     StepStats,
     require_process_group,
 )
+from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
 from paratrain.parallel.zero.gather import ParameterGatherer, unit_modules
 from paratrain.parallel.zero.grads import ShardedGradients
@@ -106,6 +110,8 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         group: ProcessGroup | None = None,
         recompute: bool = False,
         elementwise_optimizer: bool = False,
+        broadcast_buffers: bool = True,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -123,9 +129,8 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self.group = group
         self._replicas = comm.world_size(group)
         self._replica_rank = comm.rank(group)
-        self.model = model.to(self._device)
-        comm.broadcast_tensors(
-            [*self.model.parameters(), *self.model.buffers()], src=0, group=group
+        self.model = self._replicate(
+            model, broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm
         )
         self.units, self.gatherer = self._build_units()
         self.grads = ShardedGradients(
@@ -193,6 +198,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         scale = 1.0 / (k * replicas)
         backward_scale = self.precision.loss_factor(scale)
         local_sum = torch.zeros((), device=self._device)
+        self._sync_buffers(training=True)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             self.grads.begin_backward(reduce=index == k - 1)
@@ -280,7 +286,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
 class _ReplicatedParameters(ZeroEngine):
     """Stages 1-2: the full parameters stay on every rank; units are ``bucket_mb`` buckets."""
 
-    options = (BUCKET_MB, RECOMPUTE)
+    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM)
 
     def __init__(
         self,
@@ -295,6 +301,8 @@ class _ReplicatedParameters(ZeroEngine):
         bucket_mb: float = 25.0,
         recompute: bool = False,
         elementwise_optimizer: bool = False,
+        broadcast_buffers: bool = True,
+        sync_batchnorm: bool = False,
     ) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}.")
@@ -309,6 +317,8 @@ class _ReplicatedParameters(ZeroEngine):
             group=group,
             recompute=recompute,
             elementwise_optimizer=elementwise_optimizer,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
         )
 
     def _build_units(self) -> tuple[list[FlatUnit], None]:
@@ -334,7 +344,8 @@ class Zero1Engine(_ReplicatedParameters):
     default 25), ``group`` (the replicas' process group; the whole job by default),
     ``recompute`` (keep only each layer segment's input for backward and recompute the
     rest, as in ``dp``), ``elementwise_optimizer`` (the user vouches that an optimizer
-    class paratrain does not know updates each element alone; see ``optim``).
+    class paratrain does not know updates each element alone; see ``optim``),
+    ``broadcast_buffers`` and ``sync_batchnorm`` (as ``dp``).
     """
 
     stage = 1
@@ -370,13 +381,14 @@ class Zero2Engine(_ReplicatedParameters):
 class Zero3Engine(ZeroEngine):
     """ZeRO stage 3: parameters, gradients and optimizer state all sharded.
 
-    Options: ``group``, ``recompute``, ``elementwise_optimizer`` (as ``zero1``). Units
-    are the model's top-level children (see ``gather``); a model that is one big
-    child gains nothing, so write it as a layer list (``recompute`` requires one).
+    Options: ``group``, ``recompute``, ``elementwise_optimizer``, ``broadcast_buffers``,
+    ``sync_batchnorm`` (as ``zero1``). Units are the model's top-level children (see
+    ``gather``); a model that is one big child gains nothing, so write it as a layer
+    list (``recompute`` requires one).
     """
 
     stage = 3
-    options = (RECOMPUTE,)
+    options = (RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM)
     advice_rank = 3
 
     @classmethod
