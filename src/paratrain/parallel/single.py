@@ -21,7 +21,13 @@ from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
-from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats
+from paratrain.parallel.strategy import (
+    Engine,
+    LossFn,
+    OptimizerFactory,
+    StepStats,
+    optimizer_from_factory,
+)
 
 
 def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -69,7 +75,7 @@ class SingleDeviceEngine(Engine):
         self.model = model.to(self._device)
         self.recompute = recompute
         self._forward = recomputing_forward(self.model) if recompute else self.model
-        self.optimizer = optimizer(self.model.parameters())
+        self.optimizer = optimizer_from_factory(optimizer, self.model.named_parameters())
         self.memory.watch(self.model.parameters(), model_state=self.model_state_bytes)
 
     def train_step(self, inputs: Any, targets: Any) -> StepStats:

@@ -356,6 +356,25 @@ class RecordsTimeline:
                 handle.write(json.dumps(part["peak"]) + "\n")
 
 
+def wants_names(factory: OptimizerFactory) -> bool:
+    """Whether an optimizer factory asks for (name, parameter) pairs: its first parameter is
+    called ``named_parameters`` (to group parameters by name, e.g. no weight decay on
+    biases and norms)."""
+    try:
+        parameters = list(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # a builtin or C callable: it takes plain parameters
+        return False
+    return bool(parameters) and parameters[0] == "named_parameters"
+
+
+def optimizer_from_factory(
+    factory: OptimizerFactory, named: Iterable[tuple[str, nn.Parameter]]
+) -> torch.optim.Optimizer:
+    """``factory`` over this worker's parameters, with their canonical names if it asks."""
+    named = list(named)
+    return factory(named) if wants_names(factory) else factory([p for _, p in named])
+
+
 def require_process_group(strategy: str) -> None:
     """Refuse a distributed strategy outside a launched job, saying what to do instead."""
     if not comm.distributed():

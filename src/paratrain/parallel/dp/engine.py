@@ -47,6 +47,7 @@ from paratrain.parallel.strategy import (
     LossFn,
     OptimizerFactory,
     StepStats,
+    optimizer_from_factory,
     require_process_group,
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
@@ -124,7 +125,8 @@ class DataParallelEngine(ReplicaShare, Engine):
         self.recompute = recompute
         self._forward = recomputing_forward(self.model) if recompute else self.model
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
-        self.optimizer = with_fused_kernel(optimizer(self.model.parameters()))
+        named = self.model.named_parameters()
+        self.optimizer = with_fused_kernel(optimizer_from_factory(optimizer, named))
         self.memory.watch(
             self.model.parameters(),
             model_state=self.model_state_bytes,

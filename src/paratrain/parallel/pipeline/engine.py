@@ -72,6 +72,7 @@ from paratrain.parallel.strategy import (
     OptimizerFactory,
     RecordsTimeline,
     StepStats,
+    optimizer_from_factory,
     require_process_group,
 )
 from paratrain.parallel.ties import tied_names
@@ -254,7 +255,10 @@ class PipelineEngine(RecordsTimeline, Engine):
         # A stage may hold only parameter-free layers (an activation, a reshape).
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
-        self.optimizer = with_fused_kernel(optimizer(trainable)) if trainable else None
+        named = [(n, p) for n, p in self.named_local_parameters() if p.requires_grad]
+        self.optimizer = (
+            with_fused_kernel(optimizer_from_factory(optimizer, named)) if trainable else None
+        )
         self.link = StageLink(
             self._device,
             prev_rank=None if self.mesh.is_first else self.mesh.prev_rank,

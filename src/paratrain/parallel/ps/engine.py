@@ -67,7 +67,13 @@ from paratrain.parallel.ps.staleness import check_bound
 from paratrain.parallel.ps.worker_buffers import CopiedBuffers, MappedBuffers
 from paratrain.parallel.registry import register
 from paratrain.parallel.single import canonical_state
-from paratrain.parallel.strategy import Engine, LossFn, OptimizerFactory, StepStats
+from paratrain.parallel.strategy import (
+    Engine,
+    LossFn,
+    OptimizerFactory,
+    StepStats,
+    optimizer_from_factory,
+)
 from paratrain.runtime import comm
 from paratrain.runtime.launch import in_external_job, tolerate_lost_workers
 
@@ -243,7 +249,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         # The servers hold the real optimizer; this one is never stepped. It holds the
         # user's parameter groups and hyperparameters, so that a learning-rate scheduler
         # can drive it, and each step sends its rates to the servers where they changed.
-        self.optimizer = optimizer(self.model.parameters())
+        self.optimizer = optimizer_from_factory(optimizer, self.model.named_parameters())
         self._rates_sent = self._rates()
         self._prefix = f"paratrain/ps/{next(_engines)}"
         self.store = jobkeys.connect(timeout_s=timeout_s)

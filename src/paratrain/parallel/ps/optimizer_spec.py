@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.fused_optim import construct, fuse_where_left_to_torch
+from paratrain.parallel.strategy import optimizer_from_factory
 
 _NOT_DESCRIBABLE = (
     "strategy 'ps' rebuilds the optimizer in its server processes from its class and "
@@ -60,7 +61,7 @@ def describe_optimizer(
 ) -> dict[str, Any]:
     """Call ``factory`` over ``model``'s parameters and describe the result as JSON."""
     names = {id(p): name for name, p in model.named_parameters()}
-    optimizer = factory(model.parameters())
+    optimizer = optimizer_from_factory(factory, model.named_parameters())
     cls = type(optimizer)
     path = f"{cls.__module__}:{cls.__qualname__}"
     if "<locals>" in cls.__qualname__ or cls.__module__ in ("__main__", "__mp_main__"):

@@ -82,6 +82,7 @@ from paratrain.parallel.strategy import (
     OptimizerFactory,
     StepStats,
     require_process_group,
+    wants_names,
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
@@ -141,6 +142,12 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             on_unit_done=self.gatherer.release if self.gatherer is not None else None,
         )
         shards = [unit.shard for unit in self.units]
+        if wants_names(optimizer):
+            raise ValueError(
+                f"{self.name} hands the optimizer flat slices that cut across parameters, so "
+                "a factory grouping parameters by name cannot be honoured; give one group "
+                "(a factory taking plain parameters), or use strategy='dp' or 'pipeline'."
+            )
         self.optimizer = optimizer(shards)
         check_sharded_optimizer(
             self.optimizer,
