@@ -55,7 +55,7 @@ def references() -> dict:
     same order, the engines meet the suite's 1e-5."""
     return {
         (name, parts): plain_loop(name, parts)
-        for name, parts in (("sgd", 1), ("adam", 1), ("adam", 4))
+        for name, parts in (("sgd", 1), ("adam", 1), ("adam", 2), ("adam", 4))
     }
 
 
@@ -144,3 +144,17 @@ def test_pipeline_micro_batches_and_replicas_are_exact(references):
     hybrid = [("pipeline", "sgd", 1, {"stages": 2, "micro_batches": 2})]
     results = paratrain.launch(loss_workers.train_all, devices=4, args=(hybrid,))
     check(results[0][0], references[("sgd", 1)], hybrid[0])
+
+
+@pytest.mark.slow
+def test_replicas_are_exact_under_dp_and_zero(references):
+    """2 replicas: Adam against the 2-part loop (two parts' gradients add in either order
+    to the same bits), SGD against the unsplit loop; accumulation 2 with SGD."""
+    runs = [
+        (strategy, optimizer, accumulation, {})
+        for strategy in ("dp", "zero1", "zero2", "zero3")
+        for optimizer, accumulation in (("adam", 1), ("sgd", 2))
+    ]
+    results = paratrain.launch(loss_workers.train_all, devices=2, args=(runs,))
+    for run, result in zip(runs, results[0], strict=True):
+        check(result, reference_for(references, run[1], 2), run)

@@ -107,6 +107,15 @@ class LossTotals:
             self.counted += int(count)
         return value
 
+    def scaled(self, loss: torch.Tensor, mean_factor: float, loss_scale: float) -> torch.Tensor:
+        """The part's loss ready for backward: a sum divided by the count (then times the
+        fp16 ``loss_scale``); a mean times the engine's ``mean_factor`` (its equal-parts
+        factor times the loss scale, as the engine always computed it)."""
+        if self.summed:
+            divided = loss / self.divisor
+            return divided if loss_scale == 1.0 else divided * loss_scale
+        return loss if mean_factor == 1.0 else loss * mean_factor
+
     def contribution(self) -> torch.Tensor:
         """This worker's share of the step's loss, each part divided by ``divisor``: the
         replicas' (or averaged workers') contributions add up to the global loss."""

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from paratrain.parallel.batching import batch_size, check_divisible, take_share, to_device
 from paratrain.parallel.buffer_sync import BufferBroadcast, buffer_broadcast
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from paratrain.runtime import comm
@@ -78,9 +79,10 @@ class ReplicaShare:
         self.model.eval()
         self._sync_buffers(training=False)
         share_in, share_tgt = self._share(inputs), self._share(targets)
+        totals = LossTotals(self.loss_fn, targets, share_tgt, parts=replicas, device=self._device)
         with self.precision.autocast(self._device):
-            loss = self.loss_fn(call_model(self.model, share_in), share_tgt)
-        loss = loss.detach().float().reshape(1) / replicas
+            totals.add(self.loss_fn(call_model(self.model, share_in), share_tgt))
+        loss = totals.contribution().reshape(1)
         self._after_eval()
         self.model.train(was_training)
         if replicas > 1:

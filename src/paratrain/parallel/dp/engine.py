@@ -37,6 +37,7 @@ from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -160,21 +161,22 @@ class DataParallelEngine(ReplicaShare, Engine):
         self.memory.begin_step(self.steps_taken)
         scale = 1.0 / (k * replicas)
         backward_scale = self.precision.loss_factor(scale)
-        local_sum = torch.zeros((), device=self._device)
+        totals = LossTotals(
+            self.loss_fn, targets, share_tgt, parts=k * replicas, device=self._device
+        )
         self._sync_buffers(training=True)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = self.loss_fn(call_model(self._forward, micro_in), micro_tgt)
-            local_sum += loss.detach()
+                loss = totals.add(self.loss_fn(call_model(self._forward, micro_in), micro_tgt))
             if self.reducer is not None and index == k - 1:
-                self.reducer.arm(extras=local_sum * scale)
-            (loss if backward_scale == 1.0 else loss * backward_scale).backward()
+                self.reducer.arm(extras=totals.contribution())  # rides in the last bucket
+            totals.scaled(loss, backward_scale, self.precision.loss_factor()).backward()
             self.memory.release(index)
         if self.reducer is not None:
             mean_loss = float(self.reducer.finish(extras_count=1)[0])
         else:
-            mean_loss = float(local_sum / k)
+            mean_loss = float(totals.contribution())
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
         if self.precision.unscale_and_check(grads, synchronized=True):
             self.optimizer.step()

@@ -457,10 +457,8 @@ class PipelineEngine(RecordsTimeline, Engine):
             y = self._run_stage(x, recompute=self.recompute)
             if self.mesh.is_last:
                 loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
-                if self._totals.summed:  # divided by the global count, as one device does
-                    y = (loss / self._totals.divisor) * self.precision.loss_factor()
-                else:
-                    y = loss * self.precision.loss_factor(scale)
+                loss_scale = self.precision.loss_factor()
+                y = self._totals.scaled(loss, self.precision.loss_factor(scale), loss_scale)
         if not self.mesh.is_last:
             self.link.send_activation(y, m)
             self.link.expect_gradient(m, y)

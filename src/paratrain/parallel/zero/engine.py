@@ -71,6 +71,7 @@ from paratrain.parallel.batching import (
 from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -204,20 +205,21 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self.memory.begin_step(self.steps_taken)
         scale = 1.0 / (k * replicas)
         backward_scale = self.precision.loss_factor(scale)
-        local_sum = torch.zeros((), device=self._device)
+        totals = LossTotals(
+            self.loss_fn, targets, share_tgt, parts=k * replicas, device=self._device
+        )
         self._sync_buffers(training=True)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             self.grads.begin_backward(reduce=index == k - 1)
             with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = self.loss_fn(self._model_forward(micro_in), micro_tgt)
-            local_sum += loss.detach()
+                loss = totals.add(self.loss_fn(self._model_forward(micro_in), micro_tgt))
             with self._backward_pass():
-                (loss if backward_scale == 1.0 else loss * backward_scale).backward()
+                totals.scaled(loss, backward_scale, self.precision.loss_factor()).backward()
             self.memory.release(index)
             if self.gatherer is not None:
                 self.gatherer.release_all()
-        mean_loss = self.grads.finish(local_sum * scale)
+        mean_loss = self.grads.finish(totals.contribution())
         # Each rank checks only its slices, so under fp16 the overflow flag is summed over
         # the replicas (synchronized=False): all skip together or all step.
         shard_grads = [unit.shard.grad for unit in self.units]
