@@ -51,6 +51,7 @@ from paratrain.parallel.batching import (
     to_device,
 )
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.loss_reduction import LossTotals, loss_value
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.ps import jobkeys, spawn
@@ -318,17 +319,23 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         share_tgt = to_device(take_share(targets, self._rank, workers), self._device)
         self.model.train()
         self._buffers.clear_grads()
-        total = torch.zeros((), device=self._device)
+        # The servers average the workers' pushes, so a summed loss is divided by the
+        # global count over the workers (see ``loss_reduction``).
+        totals = LossTotals(
+            self.loss_fn, targets, share_tgt, parts=k, averaged_by=workers, device=self._device
+        )
         loss_scale = self.precision.loss_factor()  # 1 but under fp16; servers average workers
         for micro_in, micro_tgt in zip(
             split_micro(share_in, k), split_micro(share_tgt, k), strict=True
         ):
             with self.precision.autocast(self._device):
-                loss = self.loss_fn(call_model(self.model, micro_in), micro_tgt)
-            scaled = loss if k == 1 else loss / k  # as single divides: fp32 bit for bit
+                loss = totals.add(self.loss_fn(call_model(self.model, micro_in), micro_tgt))
+            if totals.summed:
+                scaled = loss / totals.divisor
+            else:
+                scaled = loss if k == 1 else loss / k  # as single divides: fp32 bit for bit
             (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
-            total += loss.detach()
-        share_loss = float(total / k)
+        share_loss = float(totals.contribution())
         # fp16: this worker's own gradients decide, with no message (``synchronized=True``
         # skips the vote): no ps worker may wait on another, and it pushes only its own.
         grads = (param.grad for _, param in self._params)
@@ -416,9 +423,9 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         self.model.eval()
         with self.precision.autocast(self._device):
             outputs = call_model(self.model, to_device(inputs, self._device))
-            loss = self.loss_fn(outputs, to_device(targets, self._device))
+            result = self.loss_fn(outputs, to_device(targets, self._device))
         self.model.train(was_training)
-        return float(loss)
+        return loss_value(result)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The servers' current parameters (and this worker's buffers), canonical, on CPU.
