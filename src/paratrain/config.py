@@ -64,6 +64,10 @@ class RunSettings:
         default="constant",
         metadata={"help": "after warmup: constant, or cosine or linear decay to 0 at --steps"},
     )
+    max_grad_norm: float | None = field(
+        default=None,
+        metadata={"help": "clip gradients to this global 2-norm, as clip_grad_norm_ (all but ps)"},
+    )
     warmup_steps: int = field(
         default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}
     )
@@ -132,6 +136,8 @@ class RunSettings:
             raise ConfigError(f"lr must be positive, not {self.lr}.")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, not {self.timeout}.")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be positive, not {self.max_grad_norm}.")
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(
                 f"lr_schedule must be one of {', '.join(SCHEDULES)}, not {self.lr_schedule!r}."

@@ -109,6 +109,7 @@ def run_spec(config: TrainConfig, devices: int, bundle: DatasetBundle | None = N
         options=config.strategy_options(),
         external_job=in_external_job(),
         timeout_s=config.timeout,
+        max_grad_norm=config.max_grad_norm,
         build_model=build_meta_model if bundle is not None else None,
         sample_inputs=(lambda n: bundle.train[:n][0]) if bundle is not None else None,
     )
@@ -307,6 +308,8 @@ def strategy_options(config: TrainConfig, bundle: DatasetBundle | None) -> dict[
         options["precision"] = config.precision
     if config.memory_per_device is not None:
         options["memory_per_device"] = config.memory_per_device
+    if config.max_grad_norm is not None:
+        options["max_grad_norm"] = config.max_grad_norm
     return options
 
 
@@ -410,6 +413,7 @@ def train_worker(
                     if engine.optimizer is not None
                     else {}
                 ),
+                **({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}),
             )
         if bar is not None:
             bar.update(1)

@@ -89,5 +89,6 @@ class RunSpec:
     options: dict[str, Any] = field(default_factory=dict)
     external_job: bool = False
     timeout_s: float = 300.0
+    max_grad_norm: float | None = None
     build_model: Callable[[], nn.Module] | None = None
     sample_inputs: Callable[[int], Any] | None = None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
+from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
 from paratrain.parallel.options import RunSpec
@@ -62,6 +63,7 @@ class SingleDeviceEngine(Engine):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
         recompute: bool = False,
     ) -> None:
         super().__init__(
@@ -71,6 +73,7 @@ class SingleDeviceEngine(Engine):
             gradient_accumulation=gradient_accumulation,
             precision=precision,
             memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
         )
         self.model = model.to(self._device)
         self.recompute = recompute
@@ -100,6 +103,8 @@ class SingleDeviceEngine(Engine):
             self.memory.release(index)
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
         if self.precision.unscale_and_check(grads, synchronized=True):
+            if self.max_grad_norm is not None:
+                self._grad_norm = clip_local(self.model.parameters(), self.max_grad_norm)
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()

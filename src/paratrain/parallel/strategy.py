@@ -21,6 +21,7 @@ from torch import nn
 
 from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.checkpointing import load_engine_checkpoint, save_engine_checkpoint
+from paratrain.parallel.clipping import check_max_grad_norm
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.options import RunSpec, StrategyOption
 from paratrain.parallel.precision import Precision
@@ -50,6 +51,8 @@ class StepStats:
     """Steps skipped so far because fp16 gradients overflowed (``step`` counts them too)."""
     loss_scale: float = 1.0
     """The fp16 loss scale after this step (1.0 for fp32 and bf16)."""
+    grad_norm: float | None = None
+    """The global gradient norm before clipping, where ``max_grad_norm`` clips."""
 
 
 class Engine(ABC):
@@ -81,6 +84,7 @@ class Engine(ABC):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
@@ -97,6 +101,8 @@ class Engine(ABC):
             )
         self.loss_fn = loss_fn
         self.gradient_accumulation = gradient_accumulation
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self._grad_norm: float | None = None  # the last step's, where clipping is on
         self.steps_taken = 0
         self._device = current_device()
         self.precision = Precision.of(precision)
@@ -224,6 +230,7 @@ class Engine(ABC):
             comm_bytes=comm_bytes,
             skipped_steps=self.precision.skipped_steps,
             loss_scale=self.precision.scale,
+            grad_norm=self._grad_norm,
         )
 
     @abstractmethod

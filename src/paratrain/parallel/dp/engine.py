@@ -34,6 +34,7 @@ from paratrain.parallel.batching import (
     split_micro,
 )
 from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
+from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
@@ -86,6 +87,7 @@ class DataParallelEngine(ReplicaShare, Engine):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
         bucket_mb: float = 25.0,
         first_bucket_mb: float | None = None,
         group: ProcessGroup | None = None,
@@ -100,6 +102,7 @@ class DataParallelEngine(ReplicaShare, Engine):
             gradient_accumulation=gradient_accumulation,
             precision=precision,
             memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
         if first_bucket_mb is None:
@@ -179,6 +182,8 @@ class DataParallelEngine(ReplicaShare, Engine):
             mean_loss = float(totals.contribution())
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
         if self.precision.unscale_and_check(grads, synchronized=True):
+            if self.max_grad_norm is not None:  # every replica holds the whole gradient
+                self._grad_norm = clip_local(self.model.parameters(), self.max_grad_norm)
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()

@@ -43,6 +43,7 @@ from paratrain.parallel.batching import (
     take_share,
     to_device,
 )
+from paratrain.parallel.clipping import clip_distributed
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import as_arguments
@@ -196,6 +197,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
         stages: int = 2,
         micro_batches: int | None = None,
         schedule: str = "1f1b",
@@ -212,6 +214,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             gradient_accumulation=gradient_accumulation,
             precision=precision,
             memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
         layers, prefix = layer_list(model)
@@ -333,6 +336,8 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.ties.reduce_gradients()  # after the replicas' reduction, as Megatron does
         grads = (p.grad for p in self.module.parameters())  # read only under fp16
         finite = self.precision.unscale_and_check(grads, device=self._device)  # whole-job vote
+        if finite and self.max_grad_norm is not None:
+            self._clip()
         if finite and self.optimizer is not None:
             self.optimizer.step()
         self.steps_taken += 1
@@ -494,6 +499,21 @@ class PipelineEngine(RecordsTimeline, Engine):
         if not self.mesh.is_first:
             self.link.send_gradient(x, m)
         return start
+
+    def _clip(self) -> None:
+        """Clip by the norm over every stage (every worker takes part, a stage without
+        parameters too). A Parameter tied across stages counts once, by the copy under
+        its canonical name; replicas hold equal gradients, so the job's sum of squares
+        holds each stage's ``replicas`` times."""
+        aliases = self.tied_names()
+        held = [(name, p.grad) for name, p in self.named_local_parameters() if p.grad is not None]
+        self._grad_norm = clip_distributed(
+            [grad for name, grad in held if name not in aliases],
+            self.max_grad_norm,
+            device=self._device,
+            copies=self.mesh.replicas,
+            duplicates=[grad for name, grad in held if name in aliases],
+        )
 
     def _run_stage(self, x: Any, *, recompute: bool) -> Any:
         """This stage's layers on ``x``: the first stage calls them as the whole model is

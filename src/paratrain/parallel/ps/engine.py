@@ -97,6 +97,16 @@ def check_straggler(straggler: object, workers: int) -> dict[str, Any] | None:
     return {"rank": rank, "slowdown": float(slowdown)}
 
 
+def check_no_clipping(max_grad_norm: float | None) -> None:
+    """ps servers each hold a shard of the averaged gradient and never meet, so none of
+    them can know the global norm to clip by."""
+    if max_grad_norm is not None:
+        raise ValueError(
+            "strategy 'ps' cannot clip by the global gradient norm (each server holds a "
+            "shard of the gradient); drop max_grad_norm, or use strategy 'dp' or 'zero2'."
+        )
+
+
 def require_launch() -> None:
     """Refuse to run outside paratrain.launch (torchrun, or a plain process), saying why."""
     if in_external_job():
@@ -157,6 +167,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             run.options.get("backup_workers", 0), run.options.get("staleness", 0), run.devices
         )
         resolve_transport(run.options.get("transport", "auto"))
+        check_no_clipping(run.max_grad_norm)
         super().check_run(run)
 
     @classmethod
@@ -207,6 +218,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
         servers: int = 1,
         staleness: int | None = 0,
         staleness_lr: str = "inverse",
@@ -223,8 +235,10 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             gradient_accumulation=gradient_accumulation,
             precision=precision,
             memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
         )
         require_launch()
+        check_no_clipping(max_grad_norm)
         self.staleness = check_bound(staleness)
         self.staleness_lr = check_policy(staleness_lr)
         if not isinstance(lookahead, bool):

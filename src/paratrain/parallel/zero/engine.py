@@ -69,6 +69,7 @@ from paratrain.parallel.batching import (
     split_micro,
 )
 from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
+from paratrain.parallel.clipping import clip_distributed
 from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
@@ -109,6 +110,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
         group: ProcessGroup | None = None,
         recompute: bool = False,
         elementwise_optimizer: bool = False,
@@ -122,6 +124,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             gradient_accumulation=gradient_accumulation,
             precision=precision,
             memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
         )
         self.recompute = recompute
         self._check_layout(model)
@@ -224,6 +227,11 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         # the replicas (synchronized=False): all skip together or all step.
         shard_grads = [unit.shard.grad for unit in self.units]
         if self.precision.unscale_and_check(shard_grads, group=self.group, device=self._device):
+            if self.max_grad_norm is not None:  # each rank holds slices: norms add up
+                held = [grad for grad in shard_grads if grad is not None]
+                self._grad_norm = clip_distributed(
+                    held, self.max_grad_norm, device=self._device, group=self.group
+                )
             self.optimizer.step()
             self._after_step()
         self.steps_taken += 1
@@ -306,6 +314,7 @@ class _ReplicatedParameters(ZeroEngine):
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
         group: ProcessGroup | None = None,
         bucket_mb: float = 25.0,
         recompute: bool = False,
@@ -323,6 +332,7 @@ class _ReplicatedParameters(ZeroEngine):
             gradient_accumulation=gradient_accumulation,
             precision=precision,
             memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
             group=group,
             recompute=recompute,
             elementwise_optimizer=elementwise_optimizer,

@@ -1,0 +1,62 @@
+"""Gradient clipping by the global norm, as ``torch.nn.utils.clip_grad_norm_`` on one device.
+
+The norm is over the whole model's gradient, whichever worker holds which part of it:
+replicas hold equal copies (dp: the local norm is the global one), ZeRO ranks hold slices
+(their squared norms add up over the replicas), pipeline stages hold their layers (squared
+norms add up over the stages of a replica; a weight tied across stages counts once). Every
+worker then multiplies its gradients by ``min(1, max_norm / (norm + 1e-6))``, the factor
+torch uses, and ``StepStats.grad_norm`` reports the norm before clipping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from paratrain.runtime import comm
+
+
+def _positive(value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"max_grad_norm must be positive, not {value!r}.")
+    return float(value)
+
+
+def check_max_grad_norm(value: float | None) -> float | None:
+    """None (no clipping) or a positive float; anything else refused with a sentence."""
+    return None if value is None else _positive(value)
+
+
+def clip_local(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Every gradient is here (one device, or a replica after the all-reduce): torch's own."""
+    grads = [p for p in parameters if p.grad is not None]
+    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+
+
+def clip_distributed(
+    grads: list[torch.Tensor],
+    max_norm: float,
+    *,
+    device: torch.device,
+    group: ProcessGroup | None = None,
+    copies: int = 1,
+    duplicates: list[torch.Tensor] | None = None,
+) -> float:
+    """This worker holds ``grads``, a part of the gradient: the squared norms are summed
+    over ``group`` (every worker of it must call), where each part is held ``copies``
+    times (pipeline replicas); returns the global norm, the gradients clipped in place.
+    ``duplicates`` (second copies of a tied weight) are clipped by the same factor, to the
+    bit, without counting in the norm."""
+    squares = torch.zeros(1, dtype=torch.float64, device=device)
+    for grad in grads:
+        squares += torch.linalg.vector_norm(grad.double()) ** 2
+    if comm.distributed():
+        comm.all_reduce_sum(squares, group=group)
+    total = torch.sqrt(squares[0] / copies).float()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scaled = [*grads, *(duplicates or [])]
+    if scaled:
+        torch._foreach_mul_(scaled, coefficient.to(scaled[0].device))
+    return float(total)
