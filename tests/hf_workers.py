@@ -81,3 +81,42 @@ def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options) 
 def train_all(runs: list[tuple]) -> list[tuple]:
     """Every (strategy, kind, optimizer, accumulation, options) in one launch."""
     return [train(s, kind, opt, acc, **options) for s, kind, opt, acc, options in runs]
+
+
+def train_and_save(runs: list[tuple], directory: str) -> list[tuple]:
+    """Each run, then the last run's engine saves a checkpoint into ``directory``."""
+    import paratrain
+    from paratrain.losses import causal_lm_cross_entropy
+
+    results = []
+    for strategy, kind, opt, accumulation, options in runs:
+        engine = paratrain.setup(
+            build(kind),
+            optimizer=optimizer(opt),
+            loss_fn=causal_lm_cross_entropy,
+            strategy=strategy,
+            gradient_accumulation=accumulation,
+            **options,
+        )
+        losses = [engine.train_step(x, y).loss for x, y in batches()]
+        path = f"{directory}/{strategy}-{kind}-{opt}"
+        engine.save_checkpoint(path)
+        results.append((engine.state_dict(), losses, path))
+    return results
+
+
+def resume(strategy: str, kind: str, path: str, **options) -> tuple[dict, float]:
+    """Load a checkpoint under another strategy and take one more step."""
+    import paratrain
+    from paratrain.losses import causal_lm_cross_entropy
+
+    engine = paratrain.setup(
+        build(kind),
+        optimizer=optimizer("adam"),
+        loss_fn=causal_lm_cross_entropy,
+        strategy=strategy,
+        **options,
+    )
+    engine.load_checkpoint(path)
+    x, y = batches()[0]
+    return engine.state_dict(), engine.train_step(x, y).loss

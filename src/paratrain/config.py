@@ -66,7 +66,7 @@ class RunSettings:
     )
     max_grad_norm: float | None = field(
         default=None,
-        metadata={"help": "clip gradients to this global 2-norm, as clip_grad_norm_ (all but ps)"},
+        metadata={"help": "clip gradients to this global 2-norm, as clip_grad_norm_ on one device"},
     )
     warmup_steps: int = field(
         default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}

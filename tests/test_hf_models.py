@@ -1,0 +1,86 @@
+"""Hugging Face causal LMs nobody here wrote, from tiny configs (no downloads): GPT-2 with
+its head tied to the embedding, and a Llama (untied, grouped-query attention). Dict
+batches, right padding (attention mask 0, labels -100), the (sum, count) token loss;
+parity with the plain loop a user writes (``model(**batch, labels=labels).loss``), the
+checkpoint loaded into a fresh model with ``strict=True``, and resumed under another
+strategy."""
+
+from __future__ import annotations
+
+import pytest
+
+import paratrain
+from tests import hf_workers
+from tests.test_parity_dp import TOLERANCE, relative_error
+
+pytest.importorskip("transformers", reason="the dev extra installs transformers")
+
+
+def plain_loop(kind: str, opt: str, parts: int = 1) -> tuple[dict, list[float]]:
+    """Hugging Face's own loss over the whole batch; with ``parts`` > 1 accumulated over
+    that many parts, each ``part_sum / N`` (see tests/test_loss_reduction.py for why Adam
+    is compared with the parts the engine has)."""
+    model = hf_workers.build(kind)
+    optimizer = hf_workers.optimizer(opt)(model.parameters())
+    losses = []
+    for inputs, labels in hf_workers.batches():
+        optimizer.zero_grad()
+        if parts == 1:
+            loss = model(**inputs, labels=labels).loss
+            loss.backward()
+        else:
+            count = (labels[:, 1:] != -100).sum()
+            loss = 0.0
+            for index in range(parts):
+                part = {k: v.chunk(parts)[index] for k, v in inputs.items()}
+                part_labels = labels.chunk(parts)[index]
+                total, _ = paratrain.losses.causal_lm_cross_entropy(model(**part), part_labels)
+                (total / count).backward()
+                loss = loss + total.detach() / count
+        optimizer.step()
+        losses.append(float(loss))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_single_equals_hugging_faces_own_loop(kind):
+    reference, reference_losses = plain_loop(kind, "sgd")
+    state, losses = hf_workers.train("single", kind, "sgd")
+    assert relative_error(state, reference) <= TOLERANCE
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_every_engine_trains_saves_and_resumes_hugging_face_models(tmp_path):
+    """2 workers: dp, zero1-3 and synchronous ps; SGD against the unsplit loop, Adam
+    against the 2-part loop. Each checkpoint loads strictly into a fresh model, and a dp
+    checkpoint resumes under zero2 as under single."""
+    runs = [
+        (strategy, kind, opt, 1, {"staleness": 0} if strategy == "ps" else {})
+        for strategy in ("dp", "zero1", "zero2", "zero3", "ps")
+        for kind in ("gpt2", "llama")
+        for opt in ("sgd", "adam")
+    ]
+    results = paratrain.launch(hf_workers.train_and_save, devices=2, args=(runs, str(tmp_path)))
+    references = {
+        (kind, opt): plain_loop(kind, opt, 1 if opt == "sgd" else 2)
+        for kind in ("gpt2", "llama")
+        for opt in ("sgd", "adam")
+    }
+    for run, (state, losses, path) in zip(runs, results[0], strict=True):
+        strategy, kind, opt = run[:3]
+        reference, reference_losses = references[(kind, opt)]
+        error = relative_error(state, reference)
+        assert error <= TOLERANCE, (run, error)
+        if strategy != "ps":  # a ps worker reports its own share's loss
+            assert losses == pytest.approx(reference_losses, rel=1e-5), run
+        fresh = hf_workers.build(kind)
+        fresh.load_state_dict(paratrain.load_model_state(path), strict=True)
+        assert relative_error(dict(fresh.state_dict()), reference) <= TOLERANCE
+    # a dp checkpoint of the tied GPT-2 resumes under zero2 as under single
+    paths = {run[:3]: path for run, (_, _, path) in zip(runs, results[0], strict=True)}
+    path = paths[("dp", "gpt2", "adam")]
+    resumed = paratrain.launch(hf_workers.resume, devices=2, args=("zero2", "gpt2", path))
+    single_state, single_loss = hf_workers.resume("single", "gpt2", path)
+    assert resumed[0][1] == pytest.approx(single_loss, rel=1e-5)
+    assert relative_error(resumed[0][0], single_state) <= TOLERANCE
