@@ -251,7 +251,7 @@ def test_zero_stages_save_a_tie_once_and_reshard(tmp_path, references):
 
 
 def test_zero3_shards_tied_layers_as_one_unit():
-    from paratrain.parallel.zero.gather import unit_modules
+    from paratrain.parallel.zero.units import unit_modules
 
     model = tie_workers.tied_model("gpt")
     labels = [label for label, _ in unit_modules(model)]

@@ -26,8 +26,9 @@ forward and backward (``gather``).
 Units: stages 1-2 pack parameters, in reverse registration order (roughly the order
 backward produces gradients), into buckets of ``bucket_mb`` (as DDP does), so backward
 overlaps the reduce-scatter of finished buckets with the rest. Stage 3's units are the
-model's top-level children (the layers of an ``nn.Sequential``) plus the parameters
-registered on the model itself; children sharing a parameter (tied weights) are one unit.
+model's repeated blocks (each ``GPT2Block``), or the layers of an ``nn.Sequential``, or
+what ``units=`` names, plus the root unit of the parameters outside them (``units``);
+modules sharing a parameter (tied weights) are one unit.
 A tied parameter is one Parameter, so it sits in one unit under its canonical name (the
 one ``named_parameters()`` gives) at every stage, and gets its summed gradient as on one
 device.
@@ -73,6 +74,7 @@ from paratrain.parallel.clipping import clip_distributed
 from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -88,10 +90,11 @@ from paratrain.parallel.strategy import (
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
-from paratrain.parallel.zero.gather import ParameterGatherer, unit_modules
+from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.shards import FlatUnit, trainable
+from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
 
@@ -401,14 +404,56 @@ class Zero3Engine(ZeroEngine):
     """ZeRO stage 3: parameters, gradients and optimizer state all sharded.
 
     Options: ``group``, ``recompute``, ``elementwise_optimizer``, ``broadcast_buffers``,
-    ``sync_batchnorm`` (as ``zero1``). Units are the model's top-level children (see
-    ``gather``); a model that is one big child gains nothing, so write it as a layer
-    list (``recompute`` requires one).
+    ``sync_batchnorm`` (as ``zero1``), ``units`` (which modules are gathered one at a
+    time: by default the model's repeated blocks, or the layers of an ``nn.Sequential``;
+    names, fnmatch patterns over names or a module class, see ``units``). ``recompute``
+    requires the model to be a layer list.
     """
 
     stage = 3
-    options = (RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM)
+    options = (RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, UNITS)
     advice_rank = 3
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        gradient_accumulation: int = 1,
+        precision: str | Precision = "fp32",
+        memory_per_device: str | int | None = None,
+        max_grad_norm: float | None = None,
+        group: ProcessGroup | None = None,
+        recompute: bool = False,
+        elementwise_optimizer: bool = False,
+        broadcast_buffers: bool = True,
+        sync_batchnorm: bool = False,
+        units: UnitSpec | None = None,
+    ) -> None:
+        self._unit_spec = units
+        super().__init__(
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
+            group=group,
+            recompute=recompute,
+            elementwise_optimizer=elementwise_optimizer,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
+        )
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """The batch, then the ``units`` entries and ``recompute`` against a meta copy."""
+        super().check_run(run)
+        units, recompute = run.options.get("units"), run.options.get("recompute", False)
+        if units is not None and run.build_model is not None:
+            cls._check_units(run.build_model(), units, recompute)
 
     @classmethod
     def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
@@ -422,17 +467,27 @@ class Zero3Engine(ZeroEngine):
         return (weight + gradient + optimizer) / workers * parameters
 
     def _check_layout(self, model: nn.Module) -> None:
-        unit_modules(model)
-        if self.recompute and not isinstance(model, nn.Sequential):
+        self._check_units(model, self._unit_spec, self.recompute)
+
+    @staticmethod
+    def _check_units(model: nn.Module, units: UnitSpec | None, recompute: bool) -> None:
+        unit_modules(model, units)
+        if recompute and not isinstance(model, nn.Sequential):
             raise ValueError(
                 f"zero3 with recompute=True needs the model itself to be an nn.Sequential "
                 f"(its layers are both the sharded units and the recomputed segments), not "
                 f"{type(model).__name__}; pass the layer list as the model, or use "
                 "recompute=False or strategy='zero2'."
             )
+        if recompute and units is not None:
+            raise ValueError(
+                "zero3 with recompute=True shards the layers of the nn.Sequential as units "
+                "(they are also the recomputed segments), so it takes no units option; drop "
+                "units= or recompute=True."
+            )
 
     def _build_units(self) -> tuple[list[FlatUnit], ParameterGatherer]:
-        modules = unit_modules(self.model)
+        modules = unit_modules(self.model, self._unit_spec)
         named = dict(self.model.named_parameters())
         by_id = {id(p): n for n, p in named.items()}
         units = []

@@ -1,12 +1,16 @@
 """Stage 3: each unit's parameters exist in full only while that unit computes.
 
-The units are the top-level model's children (the layers of an ``nn.Sequential`` such as
-paratrain's models); parameters registered on the top-level module itself form one more
-unit, the root, gathered when the model's forward starts and freed after backward.
-Children that share a Parameter (an output head tied to the embedding) form one unit
-together: the hooks below sit on each of them, and since a unit is freed after backward
-only once all its gradients are accumulated, such a unit stays gathered from the
-backward of its last child to that of its first (for a tied head, most of backward).
+The units are modules ``units.unit_modules`` chooses: a model's repeated blocks (each
+``GPT2Block``), the layers of an ``nn.Sequential`` such as paratrain's models, or what
+``units=`` names; each may sit anywhere in the model, called from its parent's forward.
+The parameters outside every unit form one more unit, the root, gathered when the model's
+forward starts and freed after backward, so the root's parameters may be used anywhere in
+between (an embedding, a parameter used between blocks, a head). A unit of several modules
+(blocks sharing a Parameter, a head tied to an embedding) has the hooks below on each of
+them, and since a unit is freed after backward only once all its gradients are
+accumulated, it stays gathered from the backward of its last module to that of its first
+(for a tied head, most of backward). A module of a unit may hold another unit's module
+(hooks nest: each gathers and frees its own unit).
 
 - Forward: a forward pre-hook all-gathers the unit's parameters; a forward hook frees them
   again and, when autograd will need them, registers a hook on the unit's output tensors.
@@ -47,41 +51,6 @@ from torch.distributed import ProcessGroup
 
 from paratrain.parallel.batching import map_tensors
 from paratrain.parallel.zero.shards import FlatUnit
-
-
-def unit_modules(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """The modules sharded as units: the model's direct children that hold parameters,
-    children sharing a parameter (tied weights) joined into one unit labelled ``"0+4"``
-    and placed where its first child is."""
-    children = [
-        (name, child)
-        for name, child in model.named_children()
-        if any(p.requires_grad for p in child.parameters())
-    ]
-    joined = list(range(len(children)))  # union-find over children sharing a parameter
-
-    def root(i: int) -> int:
-        while joined[i] != i:
-            i = joined[i]
-        return i
-
-    owner: dict[int, int] = {}
-    for index, (_, child) in enumerate(children):
-        for param in child.parameters():
-            if not param.requires_grad:
-                continue
-            if id(param) in owner:
-                a, b = sorted((root(owner[id(param)]), root(index)))
-                joined[b] = a
-            else:
-                owner[id(param)] = index
-    groups: dict[int, list[int]] = {}
-    for index in range(len(children)):
-        groups.setdefault(root(index), []).append(index)
-    return [
-        ("+".join(children[i][0] for i in members), [children[i][1] for i in members])
-        for members in groups.values()
-    ]
 
 
 class ParameterGatherer:
