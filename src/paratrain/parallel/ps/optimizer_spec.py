@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.parallel.fused_optim import construct, fuse_where_left_to_torch
+from paratrain.parallel.fused_optim import build_fused_where_left_to_torch
 
 _NOT_DESCRIBABLE = (
     "strategy 'ps' rebuilds the optimizer in its server processes from its class and "
@@ -97,5 +97,4 @@ def build_optimizer(
             hyper = {k: _restore(v) for k, v in group["hyper"].items()}
             groups.append({"params": mine, **hyper})
     defaults = {k: _restore(v) for k, v in description["defaults"].items()}
-    fuse_where_left_to_torch(cls, defaults, groups)
-    return construct(cls, groups, defaults)
+    return build_fused_where_left_to_torch(cls, groups, defaults)
