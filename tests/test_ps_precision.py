@@ -149,7 +149,8 @@ def test_synchronous_bf16_ps_matches_dp_and_single(ranks):
     assert relative_error(ps["state"], dp["state"]) <= TOLERANCE
     assert relative_error(ps["state"], reference["state"]) <= BF16_TOLERANCE
     assert relative_error(ps["state"], reference["initial"]) > 1e-2, "the parameters never moved"
-    # Each ps worker reports its share's loss; equal shares average to the batch's.
+    # Each ps worker reports the round's global-batch loss (staleness=0), so the workers'
+    # mean is it too.
     shares = [rank[PS_BF16]["losses"] for rank in ranks]
     mean = [sum(step) / len(step) for step in zip(*shares, strict=True)]
     assert mean == pytest.approx(dp["losses"], rel=TOLERANCE)
@@ -183,7 +184,7 @@ def test_an_overflowing_worker_skips_its_own_pushes_and_the_round_goes_on(ranks)
     assert metrics["samples_applied"] == SHARE * applied
     assert finite(clean["state"]) and finite(forced["state"])
     # Worker 0's gradients moved the servers while worker 1's were skipped; once worker 1
-    # pushes again, its own share's loss comes down too.
+    # pushes again, the batch's loss (both shares: the rounds are synchronous) comes down.
     assert forced["losses"][-1] < forced["losses"][skipped] - 0.05, forced["losses"]
 
 
@@ -195,7 +196,7 @@ def test_every_worker_overflowing_backs_off_and_trains_on(ranks):
         assert skipped[0] == 1 and 0 < skipped[-1] < len(skipped), (rank, skipped)
         assert run["scales"] == [FORCED * 0.5**k for k in skipped]
         assert run["metrics"]["skipped_pushes"][rank] == skipped[-1]
-        # Both workers skipped step 1, so its round took no step: the same share's loss again.
+        # Both workers skipped step 1, so its round took no step: the same loss again.
         assert losses[1] == pytest.approx(losses[0], rel=1e-6)
         assert losses[-1] < losses[0] - 0.1, (rank, losses)
         assert finite(run["state"])

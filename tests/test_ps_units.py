@@ -89,6 +89,39 @@ def test_asynchronous_never_waits_and_bad_bounds_are_refused():
             check_bound(bad)
 
 
+def test_a_synchronous_round_answers_its_pushes_with_the_global_batch_loss():
+    """Each push carries its share's loss; the round's mean, weighted by samples (skipped
+    pushes too), comes back once the round closed. With backup workers the reply does
+    not wait (no version is one global batch's); the worker keeps its share's loss."""
+    from paratrain.parallel.ps.protocol import LOSS_FIELD, ROUND_LOSS_FIELD, Op, request_header
+    from tests.test_ps_precision import shard_server
+
+    def push(server, worker: int, loss: float, samples: int, grad: bool = True) -> None:
+        header = request_header(
+            Op.PUSH,
+            flags=1,
+            pulled=server.version,
+            samples=samples,
+            loss=loss,
+            skipped=not grad,
+            has_grad=[grad],
+        )
+        assert header[LOSS_FIELD] == loss
+        server._process(worker, Op.PUSH, header, [torch.ones(3)] if grad else [])
+
+    server = shard_server(staleness=0, workers=3)
+    push(server, 0, 1.0, samples=8)
+    push(server, 1, 4.0, samples=8, grad=False)  # an fp16 overflow: its loss still counts
+    assert server.version == 0 and sorted(server._awaiting) == [0, 1]
+    push(server, 2, 2.5, samples=16)
+    replies = [server._round_reply(w)[0] for w in range(3)]  # the round closed: no wait
+    assert [r[ROUND_LOSS_FIELD].item() for r in replies] == [2.5] * 3  # (8+32+40) / 32
+    assert [r[1].item() for r in replies] == [1.0] * 3 and not server._awaiting
+    backup = shard_server(staleness=0, workers=3, backup_workers=1)
+    push(backup, 0, 1.0, samples=8)
+    assert not backup._awaiting and not backup.reports_round_loss
+
+
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95)),

@@ -121,9 +121,10 @@ def test_eval_reload_refusal_and_bytes_on_the_wire():
             assert "does not split evenly over 2 replica(s)" in result["uneven"], strategy
             padded, shards = result["padded"], result["shards"]
             # reduce-scatter hands over the padded gradient, each all-gather one slice,
-            # plus the 4-byte loss; zero3 gathers every unit twice (forward and backward)
+            # plus the 4-byte loss and the 4-byte unused-parameter count; zero3 gathers
+            # every unit twice (forward and backward)
             gathers = 2 if strategy == "zero3" else 1
-            assert result["comm_bytes"] == 4 * padded + gathers * 4 * shards + 4, strategy
+            assert result["comm_bytes"] == 4 * padded + gathers * 4 * shards + 8, strategy
             expected_params = 4 * shards if strategy == "zero3" else 4 * padded
             assert result["parameter_bytes"] == expected_params, strategy
 

@@ -73,7 +73,84 @@ def parity_model(kind: str):
         model = build_model("mlp", in_features=12, hidden=24, depth=1, classes=5)
         model.register_parameter("never_used", torch.nn.Parameter(torch.ones(3)))
         return model
+    if kind == "branchy":
+        return Branchy()
+    if kind == "late":
+        return LateParameter()
     raise ValueError(kind)
+
+
+class LateParameter(torch.nn.Module):
+    """Two parameters; ``second`` gets its first gradient at step ``LATE_STEP``, when the
+    others already hold optimizer state (``late`` batches turn it on from there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(12, 5) * 0.3)
+        self.second = torch.nn.Parameter(torch.randn(12, 5) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.first
+        if bool((x[:, 1] > 0).all()):
+            out = out + x @ self.second
+        return out
+
+
+LATE_STEP = 3
+
+
+class GatedBlock(torch.nn.Module):
+    """``relu(main(x))``, plus ``branch(x)`` on the samples whose feature 0 is positive.
+
+    ``branch`` runs only where some sample of the (micro-)batch takes it, so a replica
+    whose share has no such sample leaves it out of its graph: its parameters are then
+    used on some replicas and not on others, while ``main`` always is. As one module it
+    is one zero3 unit that mixes used and unused parameters.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Linear(12, 24)
+        self.branch = torch.nn.Linear(12, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.main(x))
+        taken = x[:, 0] > 0
+        if bool(taken.any()):
+            hidden = hidden + taken.unsqueeze(1) * self.branch(x)
+        return hidden
+
+
+class Branchy(torch.nn.Module):
+    """A model whose parameters are not all used at every step (``branchy_batches``).
+
+    ``body.branch`` depends on each sample (``GatedBlock``); ``rare`` runs for the whole
+    batch only at steps whose feature 1 is positive (on every replica alike, so zero3's
+    gathers stay in step); ``never`` is never used and sits on the root beside ``bias``,
+    which always is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = GatedBlock()
+        self.head = torch.nn.Linear(24, 5)
+        self.rare = torch.nn.Linear(12, 5)
+        self.bias = torch.nn.Parameter(torch.zeros(5))
+        self.never = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.body(x)) + self.bias
+        if bool((x[:, 1] > 0).all()):
+            out = out + self.rare(x)
+        return out
+
+
+ALL = tuple(range(PARITY_BATCH))
+BRANCH_SAMPLES = [(), (0, 1, 2, 3), (), ALL, (12, 13, 14, 15), (), (5, 9), (), ALL, (15,)]
+"""Per step, the samples (of 16) that take ``body.branch``: none at all, only the first or
+last replica's share, a few samples in the middle, everyone."""
+RARE_STEPS = (1, 4, 5, 8)
+"""The steps at which every sample runs ``rare``."""
 
 
 def parity_batches(kind: str, steps: int = PARITY_STEPS, batch: int = PARITY_BATCH):
@@ -84,6 +161,18 @@ def parity_batches(kind: str, steps: int = PARITY_STEPS, batch: int = PARITY_BAT
         if kind == "gpt":
             x = torch.randint(0, 11, (batch, 8), generator=generator)
             y = torch.randint(0, 11, (batch, 8), generator=generator)
+        elif kind == "late":
+            x = torch.randn(batch, 12, generator=generator)
+            y = torch.randint(0, 5, (batch,), generator=generator)
+            x[:, 1] = (x[:, 1].abs() + 0.1) * (1 if len(out) >= LATE_STEP else -1)
+        elif kind == "branchy":
+            x = torch.randn(batch, 12, generator=generator)
+            y = torch.randint(0, 5, (batch,), generator=generator)
+            step = len(out)
+            x[:, 0] = -x[:, 0].abs() - 0.1
+            taken = list(BRANCH_SAMPLES[step % len(BRANCH_SAMPLES)])
+            x[taken, 0] = -x[taken, 0]
+            x[:, 1] = (x[:, 1].abs() + 0.1) * (1 if step in RARE_STEPS else -1)
         else:
             x = torch.randn(batch, 12, generator=generator)
             y = torch.randint(0, 5, (batch,), generator=generator)
@@ -94,6 +183,12 @@ def parity_batches(kind: str, steps: int = PARITY_STEPS, batch: int = PARITY_BAT
 def parity_optimizer(name: str):
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "sgd_damped":  # the first step's buffer is the gradient, undamped
+        return lambda params: torch.optim.SGD(
+            params, lr=0.05, momentum=0.9, dampening=0.5, weight_decay=0.01, nesterov=False
+        )
+    if name == "adamw":  # decoupled weight decay: skipped with the step
+        return lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
     return lambda params: torch.optim.Adam(params, lr=0.01)
 
 

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+IMPLEMENTATION_KEYS = frozenset({"fused", "foreach"})
+"""Group settings that pick torch's kernel for the same update, kept by the loader."""
+
 
 def _json_safe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -62,7 +65,9 @@ def load_named_optimizer_state(
 
     ``state_keys`` maps a parameter name to its saved state keys; ``fetch("name/key")``
     returns a tensor. Each local group takes the hyperparameters of the saved group that
-    held its first parameter.
+    held its first parameter, except the implementation (``IMPLEMENTATION_KEYS``): which
+    kernel runs is the loading engine's choice (dp may have swapped in the fused kernel,
+    and the single-device reference keeps the user's), not part of the training state.
     """
     group_of = {name: group for group in saved_groups for name in group["params"]}
     ordered = _ordered_params(optimizer)
@@ -78,7 +83,7 @@ def load_named_optimizer_state(
         saved = group_of.get(names[id(group["params"][0])], {})
         merged = {k: v for k, v in group.items() if k != "params"}
         for key, value in saved.items():
-            if key != "params" and key in merged:
+            if key != "params" and key in merged and key not in IMPLEMENTATION_KEYS:
                 merged[key] = type(merged[key])(value) if isinstance(merged[key], tuple) else value
         merged["params"] = [index[id(p)] for p in group["params"]]
         param_groups.append(merged)

@@ -9,6 +9,7 @@ timeouts and error reporting live in one place. The process group's own timeout 
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from collections.abc import Iterable
 
@@ -102,6 +103,16 @@ def reduce_scatter_sum(
         return scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     with collective("reduce_scatter"):
         return scatter(output, flat, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_gather_objects(value: object, *, group: ProcessGroup | None = None) -> list[object]:
+    """Every rank's picklable ``value``, in rank order. For small metadata only (what a
+    checkpoint needs to know about other ranks' state), never for tensors of a step."""
+    _bytes_by_op["all_gather_object"] += len(pickle.dumps(value))
+    gathered: list[object] = [None] * world_size(group)
+    with collective("all_gather_object"):
+        dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 def wait(work, op: str) -> None:

@@ -15,8 +15,13 @@ from a random stream of its own (dropout masks differ; see ``replica_rng``).
 Mixed precision: forwards run under the ``Precision``'s autocast; under fp16 the loss is
 multiplied by the loss scale too, and since the all-reduced gradients are identical on
 every replica, each replica's own inf/NaN check takes the same skip decision without a
-message. The memory ledger books the gradient buckets as gradients and the loss slot
-riding in the last bucket as a communication buffer.
+message. The memory ledger books the gradient buckets as gradients and the two slots
+riding in the last bucket (the loss, the count of unused parameters) as a communication
+buffer.
+
+Unused parameters: a parameter that no replica's backward reached in a step is left with
+``.grad = None``, as the plain loop leaves it, so the optimizer skips it; one used on
+some replicas only gets the global-batch mean, zeros from the others (``grad_buckets``).
 """
 
 from __future__ import annotations
@@ -138,13 +143,13 @@ class DataParallelEngine(ReplicaShare, Engine):
         )
 
     def _loss_slot_bytes(self) -> int:
-        """Bytes of the extra slots (the step's loss) riding in the gradient buckets."""
+        """Bytes of the extra slots (the loss, the unused count) riding in the buckets."""
         if self.reducer is None:
             return 0
         return sum(b.extra_slots * b.buffer.element_size() for b in self.reducer.buckets)
 
     def model_state_bytes(self) -> dict[str, int]:
-        """As ``Engine``'s, with the buckets' loss slot left to communication buffers."""
+        """As ``Engine``'s, with the buckets' extra slots left to communication buffers."""
         state = super().model_state_bytes()
         if state["gradients"]:
             state["gradients"] -= self._loss_slot_bytes()

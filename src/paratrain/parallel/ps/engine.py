@@ -5,16 +5,23 @@ the optimizer state, split over the servers by bytes. Each step a worker pulls t
 current parameters (waiting only as long as the staleness bound says), computes the
 gradient of its contiguous share of the global batch (as dp does, with the same
 micro-batching), and pushes it; ``train_step`` returns once every server accepted the
-push. A server applies each push as it arrives (``staleness`` >= 1 or None), or, with
-``staleness=0``, averages one push from every live worker per version and takes one
-optimizer step, which makes the run equal to the single-device engine. With
-``staleness=0, backup_workers=b`` a version takes the first N - b pushes computed on it and
-folds the late ones into the next (see ``backup``): synchronous steps, no waiting for
-the slowest worker.
+push (in a plain synchronous round, once the round closed: see below). A server applies
+each push as it arrives (``staleness`` >= 1 or None), or, with ``staleness=0``, averages
+one push from every live worker per version and takes one optimizer step, which makes
+the run equal to the single-device engine. With ``staleness=0, backup_workers=b`` a
+version takes the first N - b pushes computed on it and folds the late ones into the
+next (see ``backup``): synchronous steps, no waiting for the slowest worker.
 
-Under asynchrony some things mean something narrower than under dp, on purpose (no worker
-may wait on another): ``StepStats.loss`` is the mean loss of this worker's share, and
-``StepStats.samples`` is the size of that share (the trainer adds the workers' rates up).
+``StepStats.loss`` with ``staleness=0`` and no backup workers is the global batch's mean
+loss, as under dp: each push carries its share's loss, the servers add the round's up,
+and they answer a push once its round has closed, with the mean. The worker's wait for
+the round thus moves from its next pull (which then finds the round closed) to the end of
+its push, and is no longer. Under asynchrony some things mean something narrower than
+under dp, on purpose (no worker may wait on another): ``StepStats.loss`` is the mean loss
+of this worker's share, and so it is with backup workers, whose versions are not one
+global batch's (late shares fold into the next version; waiting for them is what backup
+workers avoid). ``StepStats.samples`` is always the size of this worker's share (the
+trainer adds the workers' rates up).
 ``eval_step`` and ``state_dict`` read the servers' current parameters, which other workers
 may be changing at that moment. Buffers (none in the reference models) stay per worker.
 
@@ -60,7 +67,7 @@ from paratrain.parallel.ps.checkpointing import ServerCheckpoints
 from paratrain.parallel.ps.client import ServerLink
 from paratrain.parallel.ps.optimizer_spec import describe_optimizer
 from paratrain.parallel.ps.options import OPTIONS
-from paratrain.parallel.ps.protocol import Op, ShardLayout
+from paratrain.parallel.ps.protocol import ROUND_LOSS_FIELD, Op, ShardLayout
 from paratrain.parallel.ps.sharding import ParamSpec, assign_shards, check_servers
 from paratrain.parallel.ps.shared_memory import SharedRegion, resolve_transport
 from paratrain.parallel.ps.stale_lr import check_policy
@@ -358,9 +365,9 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         if self._last_compute_s is None:  # the first step: no earlier compute to go by
             self._straggle(compute_s)
         self._last_compute_s = compute_s
-        self._push(samples // workers, skipped=not carries)
+        loss = self._push(samples // workers, share_loss, skipped=not carries)
         self.steps_taken += 1
-        return self._step_stats(share_loss, samples // workers, self.link.bytes_sent - bytes_before)
+        return self._step_stats(loss, samples // workers, self.link.bytes_sent - bytes_before)
 
     def _straggle(self, compute_s: float) -> None:
         """The straggler knob: its worker sleeps (slowdown - 1) times a step's compute.
@@ -394,8 +401,11 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             self._versions[s] = int(header[1])
         self._buffers.take_pull()
 
-    def _push(self, samples: int, *, skipped: bool = False) -> None:
-        """Push this step's gradients; ``skipped``: the header alone, carrying none."""
+    def _push(self, samples: int, share_loss: float, *, skipped: bool = False) -> float:
+        """Push this step's gradients; ``skipped``: the header alone, carrying none.
+
+        Returns the step's loss: in a plain synchronous round the global batch's, which
+        the reply brings once the round closed; otherwise ``share_loss``, this share's."""
         has_grad = self._buffers.has_grad()
         replies = self.link.request(
             Op.PUSH,
@@ -405,8 +415,12 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             clock=self.steps_taken,
             pulled=list(self._versions),
             samples=samples,
+            loss=share_loss,
         )
         self.server_samples = int(replies[0][0][2])
+        if self.staleness == 0 and not self.backup_workers:
+            return float(replies[0][0][ROUND_LOSS_FIELD])
+        return share_loss
 
     def _attach_shared_regions(self) -> tuple[list, list]:
         """Create this worker's pull and push region per server, have each server map

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.parallel.fused_optim import construct, fuse_where_left_to_torch
+from paratrain.parallel.fused_optim import build_fused_where_left_to_torch
 from paratrain.parallel.strategy import optimizer_from_factory
 
 _NOT_DESCRIBABLE = (
@@ -98,5 +98,4 @@ def build_optimizer(
             hyper = {k: _restore(v) for k, v in group["hyper"].items()}
             groups.append({"params": mine, **hyper})
     defaults = {k: _restore(v) for k, v in description["defaults"].items()}
-    fuse_where_left_to_torch(cls, defaults, groups)
-    return construct(cls, groups, defaults)
+    return build_fused_where_left_to_torch(cls, groups, defaults)

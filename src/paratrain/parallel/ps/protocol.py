@@ -5,16 +5,19 @@ into a receive of exactly its size, so the receiver must know each size before p
 Every request is a float64 header (operation, the worker's clock, the version it pulled,
 samples, whether a pull is for a step (and so may look ahead, see ``lookahead.py``), the
 byte length of a JSON payload, whether to wait for the other workers, whether
-a push carries no gradient, then one has-gradient flag per parameter of that server's
-shard) followed by payloads whose sizes both sides already know (the shard's flat
-tensors, one per dtype) or that the header announces (JSON bytes).
+a push carries no gradient, the loss of the worker's share on a push, then one
+has-gradient flag per parameter of that server's shard) followed by payloads whose sizes
+both sides already know (the shard's flat tensors, one per dtype) or that the header
+announces (JSON bytes).
 
 A push that carries no gradient (``skipped``: the worker's fp16 gradients overflowed)
 sends its header only. It still counts as the worker's step, so that no bound or
 synchronous round waits for a gradient that will never come; what a server then does with
 it is in ``server.py``.
-Every reply is a float64 header (status, version, samples applied, JSON length) and the
-same kinds of payload. float64 holds integers exactly up to 2**53, far beyond any count.
+Every reply is a float64 header (status, version, samples applied, JSON length, and on
+the reply to a push in a plain synchronous round the round's mean loss over the global
+batch) and the same kinds of payload. float64 holds integers exactly up to 2**53, far
+beyond any count.
 
 With the shared-memory transport (see ``shared_memory.py``) a push's gradient and a pull's
 parameters lie in regions both sides map instead of following the header; the headers
@@ -37,10 +40,12 @@ import torch
 from paratrain.parallel.ps.sharding import ParamSpec
 
 REQUEST_TAG, REQUEST_DATA_TAG, REPLY_TAG, REPLY_DATA_TAG = 11, 12, 13, 14
-REQUEST_FIELDS = 8
+REQUEST_FIELDS = 9
 LOOKAHEAD_FIELD = 4  # in a request header: 1.0 when a pull is for a step (see lookahead)
 SKIPPED_FIELD = 7  # in a request header: 1.0 when a push carries no gradient
+LOSS_FIELD = 8  # in a push's header: the mean loss of the worker's share
 REPLY_FIELDS = 6
+ROUND_LOSS_FIELD = 4  # in a plain synchronous push's reply: the round's global-batch loss
 
 
 class Op(IntEnum):
@@ -126,6 +131,7 @@ def request_header(
     wait: bool = False,
     skipped: bool = False,
     lookahead: bool = False,
+    loss: float = 0.0,
     has_grad: Sequence[bool] = (),
 ) -> torch.Tensor:
     """A request header; ``flags`` is the shard's parameter count (its has-grad slots)."""
@@ -140,6 +146,7 @@ def request_header(
             json_bytes,
             float(wait),
             float(skipped),
+            loss,
         ],
         dtype=torch.float64,
     )
@@ -149,10 +156,15 @@ def request_header(
 
 
 def reply_header(
-    status: Status = Status.OK, *, version: int = 0, samples: int = 0, json_bytes: int = 0
+    status: Status = Status.OK,
+    *,
+    version: int = 0,
+    samples: int = 0,
+    json_bytes: int = 0,
+    loss: float = 0.0,
 ) -> torch.Tensor:
     return torch.tensor(
-        [float(status), version, samples, json_bytes, 0.0, 0.0], dtype=torch.float64
+        [float(status), version, samples, json_bytes, loss, 0.0], dtype=torch.float64
     )
 
 

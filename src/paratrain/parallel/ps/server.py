@@ -39,6 +39,16 @@ over the other shares is the same estimate of the batch gradient from fewer samp
 A version in which every push was skipped takes no optimizer step but still completes,
 so the round after it starts cleanly; samples of skipped pushes are not counted as
 applied.
+
+The loss of a plain synchronous round (``staleness=0``, no backup workers): each push's
+header carries the loss of the worker's share, the server adds them up, weighted by
+samples (skipped pushes too: their forward was fine), and answers each push of the round
+only once the round has closed, with the global batch's mean loss in the reply. That
+moves each worker's wait for the round from its next pull (which then finds the round
+closed and returns at once) to the end of its push: no worker waits longer than the
+round already made it. With backup workers the reply does not wait: a version's
+gradient is then not one global batch's (late shares fold into the next version), and
+waiting for the slow shares is what backup workers are there to avoid.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ from paratrain.parallel.ps.lookahead import PullLookahead
 from paratrain.parallel.ps.optimizer_spec import build_optimizer
 from paratrain.parallel.ps.protocol import (
     LOOKAHEAD_FIELD,
+    LOSS_FIELD,
     REPLY_DATA_TAG,
     REPLY_TAG,
     REQUEST_DATA_TAG,
@@ -119,6 +130,12 @@ class ShardServer:
         self.synchronous = spec["staleness"] == 0
         self.staleness_lr = spec["staleness_lr"]
         self.backup = spec.get("backup_workers", 0)
+        # A plain synchronous round answers its pushes with its global-batch loss.
+        self.reports_round_loss = self.synchronous and not self.backup
+        self._pending_loss = 0.0  # this round's losses x samples, skipped pushes too
+        self._pending_loss_samples = 0
+        self._round_losses: dict[int, float] = {}  # version -> the mean loss of its round
+        self._awaiting: dict[int, int] = {}  # worker -> the version its push waits for
         # Extrapolated step pulls (asynchronous and bounded runs; see ``lookahead``).
         wants_lookahead = spec.get("lookahead", False) and not self.synchronous
         self.lookahead = PullLookahead(self._flats) if wants_lookahead else None
@@ -175,6 +192,8 @@ class ShardServer:
                 return
             try:
                 reply = self._process(worker, op, header, payload)
+                if op is Op.PUSH and worker in self._awaiting:
+                    reply = self._round_reply(worker)
             except (CheckpointError, OSError, KeyError, ValueError) as error:
                 if op not in (Op.SAVE, Op.LOAD, Op.ATTACH, Op.RATES):
                     self._fatal(traceback.format_exc())
@@ -214,7 +233,11 @@ class ShardServer:
             if op is Op.PUSH:
                 flags = [bool(v) for v in header[REQUEST_FIELDS:].tolist()]
                 grads = None if _skipped(header) else payload
-                self._push(worker, grads, flags, int(header[2]), int(header[3]))
+                joins = self.version + 1  # the version this push's round will make
+                loss = float(header[LOSS_FIELD])
+                self._push(worker, grads, flags, int(header[2]), int(header[3]), loss=loss)
+                if self.reports_round_loss:
+                    self._awaiting[worker] = joins  # _serve answers once the round closed
                 return [reply_header(version=self.version, samples=self.samples_applied)]
             if op is Op.DONE:
                 self.book.retire(worker)
@@ -248,6 +271,16 @@ class ShardServer:
                     group["lr"] = rates[index]
                 return self._json_reply({"set": True})
         raise ValueError(f"unknown request {op!r}")
+
+    def _round_reply(self, worker: int) -> list[torch.Tensor]:
+        """The reply to ``worker``'s push in a plain synchronous round: sent once the
+        round closed, with its global-batch loss (see the module docstring)."""
+        with self.lock:
+            version = self._awaiting.pop(worker)
+            while self.version < version:
+                self.lock.wait(timeout=_POLL_S)
+            loss = self._round_losses.get(version, float("nan"))
+            return [reply_header(version=self.version, samples=self.samples_applied, loss=loss)]
 
     def _json_reply(self, value) -> list[torch.Tensor]:
         data = encode_json(value)
@@ -300,9 +333,17 @@ class ShardServer:
         return self.book.may_pull(worker)
 
     def _push(
-        self, worker: int, grads, has_grad: Sequence[bool], pulled: int, samples: int
+        self,
+        worker: int,
+        grads,
+        has_grad: Sequence[bool],
+        pulled: int,
+        samples: int,
+        *,
+        loss: float = 0.0,
     ) -> None:
-        """Apply (or, synchronously, add up) one push; ``grads`` None: it carried none."""
+        """Apply (or, synchronously, add up) one push; ``grads`` None: it carried none;
+        ``loss``: the mean loss of the worker's share."""
         staleness = self.version - pulled
         self.book.record_push(worker, staleness, skipped=grads is None)
         if not self.synchronous:
@@ -314,6 +355,8 @@ class ShardServer:
                     self._apply(self.layout.views(grads), has_grad, samples)
             return
         self._pending_count += 1
+        self._pending_loss += loss * samples
+        self._pending_loss_samples += samples
         # Plain rounds weigh every push alike; with backup workers a late push (the only
         # kind that can be stale) weighs its staleness-aware factor, a fresh one 1.
         factor = lr_factor(self.staleness_lr, staleness) if self.backup else 1.0
@@ -345,6 +388,8 @@ class ShardServer:
         of the gradients carried (none, and so no step, when every push was skipped)."""
         if self._pending_count == 0 or not self._round_complete():
             return
+        seen = self._pending_loss_samples
+        round_loss = self._pending_loss / seen if seen else float("nan")
         if self._pending is None:
             self._advance(0)
         else:
@@ -355,6 +400,12 @@ class ShardServer:
         self._pending, self._pending_count, self._pending_samples = None, 0, 0
         self._pending_weight, self._pending_fresh = 0.0, 0
         self._pending_has_grad = [False] * len(self.ordered)
+        self._pending_loss, self._pending_loss_samples = 0.0, 0
+        # A push waits for the round it joined, and the next round cannot close before
+        # every live worker pushes again: older rounds' losses are awaited by nobody.
+        self._round_losses[self.version] = round_loss
+        for version in [v for v in self._round_losses if v < self.version - 1]:
+            del self._round_losses[version]
 
     def _apply(self, grads, has_grad: Sequence[bool], samples: int) -> None:
         for param, grad, flag in zip(self.ordered, grads, has_grad, strict=True):

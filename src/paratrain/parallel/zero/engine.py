@@ -41,6 +41,15 @@ Frozen parameters (``requires_grad=False``) and buffers stay replicated as in ``
 ``broadcast_buffers``, ``sync_batchnorm`` and each replica's own random stream work as
 there (``replicas``).
 
+Unused parameters: a parameter that no replica's backward reached in a step is skipped by
+the optimizer, as torch skips one whose ``.grad`` is None (``grads`` agrees on which,
+``unused`` holds such a parameter's unit as per-parameter pieces); one used on some
+replicas only gets the global-batch mean, zeros from the others. Stage 3 gathers a unit
+in its forward hook, so a top-level child that some replicas run and others skip in the
+same step leaves the others waiting in that gather until the group timeout names them:
+keep data-dependent branches inside a child that every replica calls (as a branch taken
+by some samples is), or use zero2.
+
 Mixed precision (``precision=``) works as in ``dp``: forward under autocast, fp32
 parameters, gradients and optimizer state; under fp16 each rank checks its own gradient
 slices for inf/NaN and the flag is summed over the replicas (one tiny all-reduce), so all
@@ -95,6 +104,7 @@ from paratrain.parallel.zero.grads import ShardedGradients
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.shards import FlatUnit, trainable
 from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
+from paratrain.parallel.zero.unused import ShardPieces
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
 
@@ -162,6 +172,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             strategy=self.name,
             elementwise_optimizer=elementwise_optimizer,
         )
+        self.pieces = ShardPieces(self.units, self.optimizer)
         for unit in self.units:  # stage 3: a gathered unit's storage is a parameter, not saved data
             unit.on_gathered = lambda full: self.memory.activations.exclude(full)
             unit.on_releasing = lambda full: self.memory.activations.include(full)
@@ -226,6 +237,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             if self.gatherer is not None:
                 self.gatherer.release_all()
         mean_loss = self.grads.finish(totals.contribution())
+        self.pieces.assign_grads(self.grads.unused)  # parameters no replica used: skipped
         # Each rank checks only its slices, so under fp16 the overflow flag is summed over
         # the replicas (synchronized=False): all skip together or all step.
         shard_grads = [unit.shard.grad for unit in self.units]

@@ -19,7 +19,13 @@ Two ways of holding gradients (``keep_full``):
   unsharded gradients are held across the k micro-batches (one reduction per step, as
   the engine contract asks) and freed when the step's reduction is done.
 
-The step's loss rides in a 1-element all-reduce launched behind the last reduce-scatter.
+The step's loss rides in a 2-element all-reduce launched behind the last reduce-scatter;
+the other element is the number of this rank's parameters that got no gradient in any
+micro-batch of the step (the hooks mark the ones that did). Where the sum is not zero, one
+more small all-reduce of a used flag per parameter says which parameters no replica used:
+``unused`` lists them per unit, for the optimizer to skip as torch skips a parameter whose
+``.grad`` is None (``unused.py``). A parameter some replicas used keeps its reduced
+gradient, the global-batch mean to which the others contributed zeros.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ class ShardedGradients:
         self.on_unit_done = on_unit_done
         self._position = {index: place for place, index in enumerate(order)}
         self._unit_of = {id(p): i for i, unit in enumerate(units) for p in unit.params}
+        self._flag_of = {id(p): f for f, p in enumerate(p for u in units for p in u.params)}
+        self._used = bytearray(len(self._flag_of))
+        self.unused: list[list[int]] | None = None
+        """After ``finish``: per unit, the indices of its parameters no replica used in this
+        step, or None where every parameter was used (the common case)."""
         self._pending = [0] * len(units)
         self._reduce = False
         self._next = 0
@@ -73,6 +84,7 @@ class ShardedGradients:
 
     def zero_grad(self) -> None:
         """Start a step: zero stage 1's buffers, drop stage 2-3's slices."""
+        self._used = bytearray(len(self._flag_of))
         for index, unit in enumerate(self.units):
             if self.keep_full:
                 flat = self.full_grads[index]
@@ -92,6 +104,7 @@ class ShardedGradients:
         self._next = 0
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._used[self._flag_of[id(param)]] = 1
         index = self._unit_of[id(param)]
         self._pending[index] -= 1
         if self._pending[index]:
@@ -130,15 +143,32 @@ class ShardedGradients:
     def finish(self, loss_share: torch.Tensor) -> float:
         """Launch what backward did not reach, wait for all, return the summed loss share.
 
-        Units whose parameters got no gradient (unused this step) contribute zeros.
+        Parameters that got no gradient on a rank contribute zeros there; ``unused`` says
+        which ones no rank used.
         """
         if not self._reduce:
             raise RuntimeError("finish() called without begin_backward(reduce=True).")
         while self._next < len(self.order):
             self._launch(self.order[self._next])
-        loss = loss_share.detach().reshape(1).clone()
+        loss = torch.stack([loss_share.detach().reshape(()), loss_share.new_tensor(0.0)])
+        loss[1] = self._used.count(0)
         handle = comm.all_reduce_sum(loss, group=self.group, async_op=True)
         self._wait_in_flight()
         comm.wait(handle, "loss all_reduce")
         self._reduce = False
+        self.unused = self._agree_on_unused() if loss[1].item() != 0 else None
+        self._used = bytearray(len(self._flag_of))
         return float(loss[0])
+
+    def _agree_on_unused(self) -> list[list[int]]:
+        """Sum the used flags over the replicas (one small all-reduce); per unit, the
+        indices of the parameters whose sum is zero."""
+        used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8)
+        used = used.to(device=self.units[0].full.device, dtype=torch.float32)
+        comm.all_reduce_sum(used, group=self.group)
+        unused, start = [], 0
+        for unit in self.units:
+            flags = used[start : start + len(unit.params)]
+            unused.append((flags == 0).nonzero().flatten().tolist())
+            start += len(unit.params)
+        return unused
