@@ -62,6 +62,7 @@ def test_broadcast_buffers_is_an_option_of_the_replica_engines():
         "recompute": False,
         "broadcast_buffers": False,
         "sync_batchnorm": False,
+        "units": None,
     }
     with pytest.raises(ConfigError, match="--no-broadcast-buffers is a dp, zero1, zero2, zero3"):
         TrainConfig(strategy="pipeline", broadcast_buffers=False)
