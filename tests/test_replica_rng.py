@@ -132,3 +132,14 @@ def test_pipeline_masks_do_not_depend_on_the_schedule_and_differ_across_replicas
     for stage in range(stages):
         replica0, replica1 = ranks[stage][0], ranks[stages + stage][0]
         assert no_mask_shared(replica0["masks"], replica1["masks"]), stage
+
+
+@pytest.mark.slow
+def test_ps_workers_draw_their_own_masks_with_no_message():
+    """ps workers never wait on one another: each draws the base from its own generator,
+    which gives the streams dp gives (the workers were seeded alike)."""
+    cases = [("dp", {}), ("ps", {"staleness": 0})]
+    ranks = paratrain.launch(norm_workers.dropout_runs, devices=2, args=(cases,))
+    assert no_mask_shared(ranks[0][1]["masks"], ranks[1][1]["masks"])
+    for rank in ranks:
+        assert same_masks(rank[1]["masks"], rank[0]["masks"])

@@ -48,14 +48,20 @@ def rank_seed(base: int, rank: int) -> int:
     return (base + rank) % SEED_BOUND
 
 
-def separate_streams(*, group: ProcessGroup | None = None) -> int | None:
+def separate_streams(*, group: ProcessGroup | None = None, agree: bool = True) -> int | None:
     """Give this worker its own stream (see the module docstring); every member of
     ``group`` calls it. Returns the seed this worker took, or None where it kept its own.
+
+    ``agree=False`` is for workers that never wait on one another (ps): each draws the
+    base from its own generator with no message, which gives every worker the same base
+    when they were seeded alike (the usual recipe, the one that needs separating) and
+    different streams anyway when they were not.
     """
     if not comm.distributed():
         return None
     base = torch.tensor([draw_base()], dtype=torch.int64)
-    comm.broadcast_tensors([base], src=0, group=group)
+    if agree:
+        comm.broadcast_tensors([base], src=0, group=group)
     rank = comm.rank()
     if rank == 0:
         return None

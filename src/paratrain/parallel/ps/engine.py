@@ -74,6 +74,7 @@ from paratrain.parallel.ps.stale_lr import check_policy
 from paratrain.parallel.ps.staleness import check_bound
 from paratrain.parallel.ps.worker_buffers import CopiedBuffers, MappedBuffers
 from paratrain.parallel.registry import register
+from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
     Engine,
@@ -314,6 +315,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         self._claims: dict[str, int] = {}
         if self._rank == 0:
             self._set_parameters()  # the servers start from worker 0's initial parameters
+        separate_streams(agree=False)  # each worker its own dropout masks, with no message
 
     # -- the step ----------------------------------------------------------------------------
 
