@@ -28,6 +28,7 @@ def plain_loop(kind: str, opt: str, parts: int = 1) -> tuple[dict, list[float]]:
         if parts == 1:
             loss = model(**inputs, labels=labels).loss
             loss.backward()
+            loss = loss.detach()
         else:
             count = (labels[:, 1:] != -100).sum()
             loss = 0.0
