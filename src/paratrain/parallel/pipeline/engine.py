@@ -256,11 +256,10 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.ties.broadcast_values()  # copies of a tied Parameter start equal
         separate_streams()
         # A stage may hold only parameter-free layers (an activation, a reshape).
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
-        named = [(n, p) for n, p in self.named_local_parameters() if p.requires_grad]
+        trainable = [(n, p) for n, p in self.named_local_parameters() if p.requires_grad]
         self.optimizer = (
-            with_fused_kernel(optimizer_from_factory(optimizer, named)) if trainable else None
+            with_fused_kernel(optimizer_from_factory(optimizer, trainable)) if trainable else None
         )
         self.link = StageLink(
             self._device,

@@ -426,38 +426,11 @@ class Zero3Engine(ZeroEngine):
     options = (RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, UNITS)
     advice_rank = 3
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        gradient_accumulation: int = 1,
-        precision: str | Precision = "fp32",
-        memory_per_device: str | int | None = None,
-        max_grad_norm: float | None = None,
-        group: ProcessGroup | None = None,
-        recompute: bool = False,
-        elementwise_optimizer: bool = False,
-        broadcast_buffers: bool = True,
-        sync_batchnorm: bool = False,
-        units: UnitSpec | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, units: UnitSpec | None = None, **options: Any) -> None:
+        """``units`` as above; every other option as ``ZeroEngine`` takes it. The spec is
+        kept before the shared constructor builds the units from it."""
         self._unit_spec = units
-        super().__init__(
-            model,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            gradient_accumulation=gradient_accumulation,
-            precision=precision,
-            memory_per_device=memory_per_device,
-            max_grad_norm=max_grad_norm,
-            group=group,
-            recompute=recompute,
-            elementwise_optimizer=elementwise_optimizer,
-            broadcast_buffers=broadcast_buffers,
-            sync_batchnorm=sync_batchnorm,
-        )
+        super().__init__(model, **options)
 
     @classmethod
     def check_run(cls, run: RunSpec) -> None:
