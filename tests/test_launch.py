@@ -97,7 +97,17 @@ def test_inside_torchrun_runs_in_this_process(monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert value == (os.getpid(), 1, 7)
+    # One contract in both launch modes: a list in rank order (see runtime/external_job).
+    assert value == [(os.getpid(), 1, 7)]
+
+
+def test_inside_torchrun_a_device_count_other_than_the_jobs_is_refused(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ValueError, match=r"devices=4 .* torchrun job of 2 processes"):
+        paratrain.launch(lambda: None, devices=4)
 
 
 def _free_port() -> int:

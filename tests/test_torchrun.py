@@ -1,42 +1,142 @@
-"""paratrain.launch works unchanged inside a job started by torchrun."""
+"""paratrain.launch and ``paratrain train`` work unchanged inside a job started by torchrun.
+
+The README's API example is taken from README.md itself (the block marked
+``readme-example: train.py``) and run as printed, so the documented script is the tested
+one: locally, under ``torchrun --standalone``, and as two torchrun "nodes" on 127.0.0.1.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+
+
+def _run(command: list[str], cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(), check=False
+    )
+
+
+def _readme_example(tmp_path: Path) -> Path:
+    text = (ROOT / "README.md").read_text()
+    found = re.search(r"<!-- readme-example: train.py -->\n```python\n(.*?)```", text, re.S)
+    assert found, "README.md lost its marked train.py example"
+    script = tmp_path / "train.py"
+    script.write_text(found.group(1))
+    return script
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _check_example_output(completed: subprocess.CompletedProcess, folder: Path) -> None:
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    # Only the main process saves and says so; both ranks train.
+    assert completed.stdout.count("saved model.pt from 2 workers") == 1, completed.stdout
+    state = torch.load(folder / "model.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state.values())
 
 
 @pytest.mark.slow
 def test_launch_inside_torchrun_runs_the_worker_in_each_process():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    completed = subprocess.run(
+    completed = _run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *TORCHRUN,
             "--standalone",
             "--nproc-per-node",
             "2",
             str(ROOT / "tests" / "torchrun_job.py"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
+        cwd=ROOT,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    # Both ranks share one stdout, so their lines may interleave: pick out each object.
-    reports = [json.loads(found) for found in re.findall(r"\{[^{}]*\}", completed.stdout)]
-    assert sorted(r["rank"] for r in reports) == [0, 1]
+    # Both ranks share one stdout, so their lines may interleave: pick out each list.
+    lists = [json.loads(found) for found in re.findall(r"\[.*?\]\]|\[[^\[\]]*\]", completed.stdout)]
+    by_length = [entries for entries in lists if len(entries) == 2]
+    full = [entries for entries in by_length if None not in entries]
+    partial = [entries for entries in by_length if None in entries]
+    # Rank 0 gets every rank's value; rank 1 its own, with None in rank 0's place.
+    assert len(full) == 1 and len(partial) == 1, completed.stdout
+    reports = full[0]
+    assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["world"] == 2 for r in reports)
     assert reports[0]["checksum"] == reports[1]["checksum"]
     assert reports[0]["loss"] == reports[1]["loss"]
+    assert partial[0] == [None, reports[1]]
+
+
+@pytest.mark.slow
+def test_readme_example_runs_as_printed_locally_and_under_torchrun(tmp_path):
+    script = _readme_example(tmp_path)
+    local = tmp_path / "local"
+    local.mkdir()
+    completed = _run([sys.executable, str(script)], cwd=local)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "saved model.pt" in completed.stdout
+    standalone = tmp_path / "standalone"
+    standalone.mkdir()
+    completed = _run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)], standalone)
+    _check_example_output(completed, standalone)
+
+
+@pytest.mark.slow
+def test_readme_example_runs_as_two_torchrun_nodes_on_one_host(tmp_path):
+    script = _readme_example(tmp_path)
+    port = str(_free_port())
+
+    def node(rank: int) -> list[str]:
+        return [
+            *TORCHRUN,
+            "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+            "--master-addr", "127.0.0.1", "--master-port", port,
+            str(script),
+        ]  # fmt: skip
+
+    second = subprocess.Popen(
+        node(1), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        first = _run(node(0), tmp_path)
+        out, err = second.communicate(timeout=180)
+    finally:
+        second.kill()
+    assert second.returncode == 0, err.decode()[-3000:]
+    # The second node's rank is not the main process: it trains but neither saves nor says so.
+    assert "saved model.pt" not in out.decode()
+    _check_example_output(first, tmp_path)
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_prints_one_summary_and_refuses_another_device_count(tmp_path):
+    train = [
+        *TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "paratrain", "train",
+        "--model", "mlp", "--dataset", "synthetic", "--steps", "3", "--global-batch", "8",
+        "--no-progress", "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    completed = _run(train, tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.count("paratrain train: mlp on synthetic") == 1, completed.stdout
+    assert "2 worker(s)" in completed.stdout
+    refused = _run([*train, "--devices", "4"], tmp_path)
+    assert refused.returncode != 0
+    assert "devices=4 was asked for inside a torchrun job of 2 processes" in refused.stderr
+    # One sentence from paratrain, no traceback of ours (torchrun adds its own report after).
+    assert "ConfigError" not in refused.stderr and "paratrain/cli.py" not in refused.stderr

@@ -37,4 +37,4 @@ def worker() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(paratrain.launch(worker)), flush=True)
+    print(json.dumps(paratrain.launch(worker)), flush=True)  # a list on every rank

@@ -7,7 +7,7 @@ results = paratrain.launch(worker, devices=4)
 from paratrain.api import setup
 from paratrain.checkpoint import CheckpointError, load_model_state
 from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
-from paratrain.runtime import WorkerError, launch
+from paratrain.runtime import WorkerError, is_main_process, launch
 from paratrain.runtime.ledger import DeviceOutOfMemory
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "DeviceOutOfMemory",
     "WorkerError",
+    "is_main_process",
     "launch",
     "load_model_state",
     "setup",

@@ -16,6 +16,7 @@ from paratrain.config import ConfigError, TrainConfig, build_config, field_types
 from paratrain.parallel import strategy_class, strategy_names
 from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
 from paratrain.report import format_bytes
+from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
 
@@ -144,7 +145,8 @@ def _train(args: argparse.Namespace) -> int:
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
     config = build_config(file_values, overrides)
     result = fit(config)
-    print(format_summary(result))
+    if is_main_process():  # under torchrun every rank gets here; one summary is enough
+        print(format_summary(result))
     return 0
 
 

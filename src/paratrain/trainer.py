@@ -40,6 +40,7 @@ from paratrain.resume import (
 )
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
+from paratrain.runtime.external_job import check_job_devices, is_main_process
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
 from paratrain.runtime.units import parse_size
 
@@ -89,6 +90,8 @@ def validate(config: TrainConfig, bundle: DatasetBundle | None = None) -> int:
         )
     devices = config.devices or default_device_count()
     try:
+        if in_external_job():
+            check_job_devices(config.devices)
         strategy_class(config.strategy).check_run(run_spec(config, devices, bundle))
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -234,8 +237,8 @@ def fit(config: TrainConfig) -> RunResult:
         run_dir = run_dir_of(resume_from) if resume_from else default_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
-    if isinstance(reports, dict):  # inside torchrun: this rank's report only
-        reports = [reports]
+    # Inside torchrun, ranks other than 0 get their own report only (see external_job).
+    reports = [r for r in reports if r is not None]
     lost = {r.rank: r.reason for r in reports if isinstance(r, LostWorker)}
     lead = next(r for r in reports if not isinstance(r, LostWorker))
     reports = [_lost_report(lead) if isinstance(r, LostWorker) else r for r in reports]
@@ -260,7 +263,7 @@ def fit(config: TrainConfig) -> RunResult:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
     if config.strategy in lead:  # what the engine's run_metrics() returned
         result.extra[config.strategy] = lead[config.strategy]
-    if config.model == "gpt" and config.sample_chars:
+    if config.model == "gpt" and config.sample_chars and is_main_process():
         from paratrain.sampling import sample_text
 
         result.sample_text = sample_text(

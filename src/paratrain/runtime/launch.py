@@ -27,10 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.runtime.external_job import (
+    CHILD_FLAG,
+    check_job_devices,
+    in_external_job,
+    job_world_size,
+    run_in_external_job,
+)
 from paratrain.runtime.hang import STORE_ENV
 
 DEFAULT_TIMEOUT_S = 300.0
-_CHILD_FLAG = "PARATRAIN_LAUNCHED_WORKER"
 _COMM_ERROR_MARKERS = ("DistBackendError", "Connection closed by peer", "Connection reset", "gloo")
 TOLERATE_LOST_WORKERS_KEY = "paratrain/launch/tolerate_lost_workers"
 
@@ -75,19 +81,13 @@ class _WorkerSpec:
 
 
 def default_device_count() -> int:
-    """GPUs where there are any; otherwise as many CPU workers as cores, at most 4."""
+    """The job's size inside torchrun; else GPUs where there are any; otherwise as many
+    CPU workers as cores, at most 4."""
+    if in_external_job():
+        return job_world_size()
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return max(1, min(4, os.cpu_count() or 1))
-
-
-def in_external_job() -> bool:
-    """True inside a job started by torchrun/Slurm (not one of our own workers)."""
-    if os.environ.get(_CHILD_FLAG):
-        return False
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
 
 
 def resolve_backend(backend: str, devices: int) -> str:
@@ -121,11 +121,13 @@ def launch(
 
     Returns the list of every rank's return value, in rank order. Inside a torchrun/Slurm
     job it instead initialises the process group from the environment (if needed), runs
-    ``fn`` in this process and returns this rank's value.
+    ``fn`` in this process, and returns a list of the same length: full on global rank 0,
+    this rank's own entry (others ``None``) elsewhere (see ``external_job``).
     """
     kwargs = dict(kwargs or {})
     if in_external_job():
-        return _run_in_external_job(fn, args, kwargs, backend, timeout_s)
+        check_job_devices(devices)
+        return run_in_external_job(fn, args, kwargs, backend, timeout_s, resolve_backend)
     if devices is None:
         devices = default_device_count()
     if not isinstance(devices, int) or devices < 1:
@@ -276,7 +278,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) 
     _die_with_parent()
     os.environ.update(
         {
-            _CHILD_FLAG: "1",
+            CHILD_FLAG: "1",
             STORE_ENV: f"{spec.host}:{spec.store_port}",
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
@@ -309,15 +311,3 @@ def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) 
     results_queue.join_thread()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _run_in_external_job(fn, args, kwargs, backend: str, timeout_s: float) -> Any:
-    """Inside torchrun/Slurm: one process per rank already exists; just join and run."""
-    if not dist.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        resolved = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if resolved == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(resolved, timeout=timedelta(seconds=timeout_s))
-    return fn(*args, **kwargs)
