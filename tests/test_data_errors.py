@@ -8,6 +8,7 @@ network is replaced by a ``urlopen`` that fails as an offline machine's does.
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import urllib.error
@@ -111,6 +112,21 @@ def test_paratrain_data_is_searched_before_the_network(tmp_path, offline, monkey
     bundle = load_data(build_config(overrides={"dataset": "shakespeare", "block_size": 8}))
     assert bundle.decode(bundle.train[0][0].tolist()) == TEXT[:8]
     assert not offline.exists()
+
+
+class _Page(io.BytesIO):
+    headers = None  # no Content-Length
+
+
+def test_a_download_that_fails_its_checksum_is_refused_in_one_line(
+    tmp_path, offline, monkeypatch, capsys
+) -> None:
+    """A proxy serving another file: the run stops with fetch's sentence, not a traceback."""
+    monkeypatch.setattr(download.urllib.request, "urlopen", lambda *a, **k: _Page(b"<html>"))
+    code, err = train(capsys, "--dataset", "shakespeare")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "was discarded; check the URL" in err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_failed_fetch_removes_only_the_folders_it_created(tmp_path) -> None:

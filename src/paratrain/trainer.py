@@ -24,6 +24,7 @@ import paratrain
 from paratrain.checkpoint import read_manifest
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import (
+    ChecksumError,
     DatasetBundle,
     DatasetUnavailable,
     GlobalBatchLoader,
@@ -186,12 +187,13 @@ def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
 
 def load_data(config: TrainConfig) -> DatasetBundle:
     """The run's dataset (downloaded and cached on first use); a dataset neither on disk
-    nor downloadable is refused with the sentence that says where to put which files."""
+    nor downloadable, or a download or cached copy that fails its checksum, is refused with
+    the data layer's sentence, which says what to do."""
     try:
         return build_dataset(
             config.dataset, data_dir=config.data_dir, block_size=config.block_size, seed=config.seed
         )
-    except DatasetUnavailable as error:
+    except (DatasetUnavailable, ChecksumError) as error:
         raise ConfigError(str(error)) from None
 
 
