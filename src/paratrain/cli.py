@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields
 
+from paratrain import __version__
 from paratrain.checkpoint import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
 from paratrain.parallel import strategy_class, strategy_names
@@ -30,8 +31,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for item in fields(TrainConfig):
         target = strategy_group if item.metadata.get("strategies") else parser
         flag = "--" + item.name.replace("_", "-")
-        default = item.default if item.default is not MISSING else None
-        help_text = f"{item.metadata.get('help', '')} (default: {default})"
+        help_text = flag_help(item, is_bool=kinds[item.name] is bool)
         if kinds[item.name] is bool:
             target.add_argument(
                 flag,
@@ -41,15 +41,35 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            target.add_argument(
-                flag, dest=item.name, default=None, metavar=item.name.upper(), help=help_text
-            )
+            # Choices are shown, not enforced, here: a value outside them gets the same
+            # one-line refusal from the config or the trainer as one from a TOML file.
+            choices = item.metadata.get("choices")
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else item.name.upper()
+            target.add_argument(flag, dest=item.name, default=None, metavar=metavar, help=help_text)
+
+
+def flag_help(item: Field, *, is_bool: bool) -> str:
+    """A field's help with its default said once.
+
+    The default is read from the field, except where the help already says it (``(default:
+    ...)``, for a default that depends on the machine, or a None that means something), and
+    not said for a None the help leaves unexplained. The parser's own formatter adds no
+    default (it is a plain ``HelpFormatter``), so nothing is said twice.
+    """
+    text = item.metadata.get("help", "").replace("%", "%%")  # argparse formats % itself
+    default = item.default if item.default is not MISSING else None
+    if "(default" in text or default is None:
+        return text
+    if is_bool:
+        default = ("--" if default else "--no-") + item.name.replace("_", "-")
+    return f"{text} (default: {default})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paratrain", description="Train one PyTorch model on several devices."
     )
+    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a reference model on local workers")
     train.add_argument("--config", default=None, help="TOML file of TrainConfig keys")

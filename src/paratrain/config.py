@@ -19,7 +19,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from paratrain.data import DATASETS
 from paratrain.lr_schedule import SCHEDULES
+from paratrain.models import MODEL_NAMES
 from paratrain.parallel import (
     declared_options,
     default_strategy,
@@ -28,6 +30,7 @@ from paratrain.parallel import (
 )
 from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.precision import PRECISIONS
+from paratrain.runtime.launch import BACKENDS
 from paratrain.runtime.units import parse_size
 
 if sys.version_info >= (3, 11):
@@ -44,29 +47,50 @@ class ConfigError(ValueError):
 class RunSettings:
     """What every run has, whatever its strategy; each field is a ``--flag`` and a TOML key."""
 
-    model: str = field(default="gpt", metadata={"help": "mlp, lenet or gpt"})
+    model: str = field(
+        default="gpt",
+        metadata={
+            "help": "model to train: gpt takes a token dataset, mlp and lenet a "
+            "classification one (lenet images only)",
+            "choices": MODEL_NAMES,
+        },
+    )
     dataset: str = field(
         default="shakespeare",
-        metadata={"help": "shakespeare, fashion_mnist, synthetic, synthetic_images, ..."},
+        metadata={
+            "help": "data to train on; shakespeare and fashion_mnist are read from "
+            "--data-dir, $PARATRAIN_DATA or the cache, else downloaded once",
+            "choices": DATASETS,
+        },
     )
     strategy: str = field(
-        default=default_strategy(), metadata={"help": ", ".join(strategy_names())}
+        default=default_strategy(),
+        metadata={"help": "how the workers share the model", "choices": tuple(strategy_names())},
     )
     devices: int | None = field(
-        default=None, metadata={"help": "workers to start (default: GPUs, else min(4, cores))"}
+        default=None,
+        metadata={"help": "workers to start (default: the GPUs, else min(4, CPU cores))"},
     )
     steps: int = field(default=300, metadata={"help": "optimizer steps"})
     global_batch: int = field(default=32, metadata={"help": "samples per optimizer step"})
     gradient_accumulation: int = field(default=1, metadata={"help": "micro-steps per step"})
-    optimizer: str = field(default="adamw", metadata={"help": "sgd, adam or adamw"})
+    optimizer: str = field(
+        default="adamw", metadata={"help": "optimizer", "choices": ("sgd", "adam", "adamw")}
+    )
     lr: float = field(default=3e-3, metadata={"help": "learning rate"})
     lr_schedule: str = field(
         default="constant",
-        metadata={"help": "after warmup: constant, or cosine or linear decay to 0 at --steps"},
+        metadata={
+            "help": "after warmup: constant, or cosine or linear decay to 0 at --steps",
+            "choices": tuple(SCHEDULES),
+        },
     )
     max_grad_norm: float | None = field(
         default=None,
-        metadata={"help": "clip gradients to this global 2-norm, as clip_grad_norm_ on one device"},
+        metadata={
+            "help": "clip gradients to this global 2-norm, as clip_grad_norm_ on one device "
+            "(default: no clipping)"
+        },
     )
     warmup_steps: int = field(
         default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}
@@ -84,20 +108,43 @@ class RunSettings:
     hidden: int = field(default=256, metadata={"help": "hidden width (mlp)"})
     depth: int = field(default=3, metadata={"help": "hidden layers (mlp)"})
     precision: str = field(
-        default="fp32", metadata={"help": "fp32, bf16 or fp16 (autocast; fp16 scales the loss)"}
+        default="fp32",
+        metadata={"help": "autocast dtype; fp16 also scales the loss", "choices": PRECISIONS},
     )
     memory_per_device: str | None = field(
         default=None,
-        metadata={"help": "memory budget per worker, e.g. 2GiB (a CPU worker acts that size)"},
+        metadata={
+            "help": "memory budget per worker, e.g. 2GiB (a CPU worker acts that size) "
+            "(default: no budget)"
+        },
     )
     eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
-    eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
-    log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
-    data_dir: str | None = field(default=None, metadata={"help": "folder holding datasets"})
-    run_dir: str | None = field(
-        default=None, metadata={"help": "output folder (default runs/<model>-<strategy>-<time>)"}
+    eval_batches: int = field(
+        default=4,
+        metadata={
+            "help": "batches per evaluation: a sample of N batches, or `all` for the whole "
+            "test split"
+        },
     )
-    backend: str = field(default="auto", metadata={"help": "auto, gloo or nccl"})
+    log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
+    data_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "an existing folder holding tinyshakespeare/input.txt or fashion_mnist/"
+            "*-ubyte.gz, searched before $PARATRAIN_DATA and the download cache "
+            "(default: none)"
+        },
+    )
+    run_dir: str | None = field(
+        default=None, metadata={"help": "output folder (default: runs/<model>-<strategy>-<time>)"}
+    )
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "collectives: nccl needs a GPU per worker; auto picks it where there is one",
+            "choices": BACKENDS,
+        },
+    )
     timeout: float = field(default=300.0, metadata={"help": "seconds any collective may wait"})
     sample_chars: int = field(default=200, metadata={"help": "generated text at the end (gpt)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
@@ -106,7 +153,8 @@ class RunSettings:
     )
     keep_checkpoints: int = field(default=3, metadata={"help": "periodic checkpoints kept"})
     resume: str | None = field(
-        default=None, metadata={"help": "run folder or checkpoint to continue from"}
+        default=None,
+        metadata={"help": "run folder or checkpoint to continue from (default: a fresh run)"},
     )
     max_restarts: int = field(
         default=0, metadata={"help": "restarts from the last checkpoint after a worker fails"}
@@ -181,10 +229,11 @@ class RunSettings:
 
 
 def _option_field(option: StrategyOption, users: list[str]) -> tuple[str, Any, Any]:
-    """A dataclass field for a strategy option; its help names the strategies taking it."""
-    choices = f": {', '.join(map(str, option.choices))}" if option.choices else ""
+    """A dataclass field for a strategy option; its help names the strategies taking it
+    (the command line lists its choices, if any, from ``choices``)."""
     metadata = {
-        "help": f"{option.help}{choices} ({', '.join(users)})",
+        "help": f"{option.help} ({', '.join(users)})",
+        "choices": tuple(option.choices) if option.choices else None,
         "none_allowed": option.none_allowed,
         "strategies": tuple(users),
     }

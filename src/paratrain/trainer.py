@@ -23,12 +23,25 @@ import torch.distributed as dist
 import paratrain
 from paratrain.checkpoint import read_manifest
 from paratrain.config import ConfigError, TrainConfig, as_dict
-from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
+from paratrain.data import (
+    ChecksumError,
+    DatasetBundle,
+    DatasetUnavailable,
+    GlobalBatchLoader,
+    batches,
+    build_dataset,
+)
 from paratrain.lr_schedule import lr_factor, set_learning_rate
 from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import RunSpec, strategy_class, strategy_names
 from paratrain.parallel.fit_advice import advice
 from paratrain.parallel.strategy import RecordsTimeline
+from paratrain.preflight import (
+    check_backend,
+    check_data_dir,
+    check_dataset,
+    time_sharing_warning,
+)
 from paratrain.report import MetricsWriter, format_bytes
 from paratrain.resume import (
     checkpoint_metadata,
@@ -84,11 +97,14 @@ def validate(config: TrainConfig, bundle: DatasetBundle | None = None) -> int:
         raise ConfigError(
             f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
         )
+    check_dataset(config)
     if config.strategy not in strategy_names():
         raise ConfigError(
             f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
         )
+    check_data_dir(config)
     devices = config.devices or default_device_count()
+    check_backend(config, devices)
     try:
         if in_external_job():
             check_job_devices(config.devices)
@@ -173,10 +189,15 @@ def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
 
 
 def load_data(config: TrainConfig) -> DatasetBundle:
-    """The run's dataset (downloaded and cached on first use)."""
-    return build_dataset(
-        config.dataset, data_dir=config.data_dir, block_size=config.block_size, seed=config.seed
-    )
+    """The run's dataset (downloaded and cached on first use); a dataset neither on disk
+    nor downloadable, or a download or cached copy that fails its checksum, is refused with
+    the data layer's sentence, which says what to do."""
+    try:
+        return build_dataset(
+            config.dataset, data_dir=config.data_dir, block_size=config.block_size, seed=config.seed
+        )
+    except (DatasetUnavailable, ChecksumError) as error:
+        raise ConfigError(str(error)) from None
 
 
 def model_options(config: TrainConfig, bundle: DatasetBundle) -> dict[str, Any]:
@@ -221,6 +242,9 @@ def default_run_dir(config: TrainConfig) -> Path:
 def fit(config: TrainConfig) -> RunResult:
     """Train as ``config`` says on local workers (or inside torchrun) and return the summary."""
     devices = validate(config)
+    warning = time_sharing_warning(config, devices)
+    if warning:
+        print(warning, file=sys.stderr)
     bundle = load_data(config)
     check_pairing(config, bundle)
     validate(config, bundle)

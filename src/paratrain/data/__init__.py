@@ -10,7 +10,8 @@ from .download import ChecksumError, default_cache_dir, fetch
 from .fashion_mnist import load_fashion_mnist
 from .idx import read_idx
 from .loader import GlobalBatchLoader, ShardedBatchLoader, batches
-from .registry import DATASETS, DatasetBundle, build_dataset
+from .missing import DatasetUnavailable
+from .registry import DATASETS, DatasetBundle, build_dataset, dataset_key
 from .shakespeare import load_shakespeare
 from .synthetic import synthetic_classification, synthetic_images, synthetic_tokens
 from .text import TextCorpus
@@ -19,11 +20,13 @@ __all__ = [
     "DATASETS",
     "ChecksumError",
     "DatasetBundle",
+    "DatasetUnavailable",
     "GlobalBatchLoader",
     "ShardedBatchLoader",
     "TextCorpus",
     "batches",
     "build_dataset",
+    "dataset_key",
     "default_cache_dir",
     "fetch",
     "load_fashion_mnist",

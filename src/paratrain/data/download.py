@@ -103,7 +103,18 @@ def fetch(
     if dest.is_file() and all(file_digest(dest, algo) == want for algo, want in expected):
         return dest
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _download_to(url, dest, expected, progress)
+    except BaseException:
+        _remove_empty(created)  # a failed first download leaves no empty cache folder
+        raise
+    return dest
+
+
+def _download_to(url: str, dest: Path, expected: list[tuple[str, str]], progress: bool) -> None:
+    """Download into a temporary file beside ``dest``; move it there only if it verifies."""
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     tmp = Path(tmp_name)
     try:
@@ -119,7 +130,16 @@ def fetch(
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
-    return dest
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed download created, deepest first, where still empty (a
+    concurrent fetch may have put a file in one meanwhile: that one stays)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _download_into(

@@ -25,6 +25,7 @@ from torch.utils.data import TensorDataset
 
 from .download import default_cache_dir, fetch, verify_checksum
 from .idx import read_idx
+from .missing import DatasetUnavailable, failure, unavailable
 
 __all__ = [
     "DEFAULT_URL",
@@ -46,6 +47,8 @@ FASHION_MNIST_MEAN = 0.2860
 FASHION_MNIST_STD = 0.3530
 
 _FOLDER = "fashion_mnist"
+# where in data_dir the files are read, first match wins: ours, torchvision's, the folder
+_LAYOUTS = (_FOLDER, "FashionMNIST/raw", "")
 _SPLITS = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
@@ -102,7 +105,7 @@ def _locate(
     user_copies: list[Path] = []
     if data_dir is not None:
         root = Path(data_dir).expanduser()
-        user_copies += [root / _FOLDER / name, root / "FashionMNIST" / "raw" / name, root / name]
+        user_copies += [root / layout / name for layout in _LAYOUTS]
     shared = os.environ.get("PARATRAIN_DATA")
     if shared:
         user_copies.append(Path(shared).expanduser() / _FOLDER / name)
@@ -111,17 +114,29 @@ def _locate(
             return candidate
 
     cached = cache / name
+    url = base_url if base_url.endswith("/") else base_url + "/"
     if download:
-        url = base_url if base_url.endswith("/") else base_url + "/"
-        return fetch(url + name, cached, md5=md5)
+        try:
+            return fetch(url + name, cached, md5=md5)
+        except OSError as error:
+            why = f"could not be downloaded from {url} ({failure(error)})"
+            raise _unavailable(data_dir, cache.parent, why) from error
     if cached.is_file():
         verify_checksum(cached, md5=md5)
         return cached
-    looked = ", ".join(str(p.parent) for p in [*user_copies, cached])
-    raise FileNotFoundError(
-        f"Fashion-MNIST file {name} was not found (looked in {looked}) and download=False; "
-        f"pass download=True, or put the four .gz files from {DEFAULT_URL} in "
-        "data_dir/fashion_mnist/."
+    why = f"download=False was passed (pass download=True to fetch {name} from {url})"
+    raise _unavailable(data_dir, cache.parent, why)
+
+
+def _unavailable(data_dir: str | Path | None, cache: Path, why: str) -> DatasetUnavailable:
+    return unavailable(
+        "Fashion-MNIST",
+        list(FASHION_MNIST_MD5),
+        folder=_FOLDER,
+        layouts=_LAYOUTS,
+        data_dir=data_dir,
+        cache=cache,
+        why=why,
     )
 
 

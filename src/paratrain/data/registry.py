@@ -19,7 +19,7 @@ from .fashion_mnist import load_fashion_mnist
 from .shakespeare import load_shakespeare
 from .synthetic import synthetic_classification, synthetic_images, synthetic_tokens
 
-__all__ = ["DATASETS", "DatasetBundle", "build_dataset"]
+__all__ = ["DATASETS", "DatasetBundle", "build_dataset", "dataset_key"]
 
 DATASETS = ("shakespeare", "fashion_mnist", "synthetic", "synthetic_images", "synthetic_tokens")
 
@@ -61,7 +61,7 @@ def build_dataset(
     ``synthetic_size`` (training samples; validation gets an eighth as many more) apply
     to the synthetic ones.
     """
-    key = name.strip().lower().replace("-", "_")
+    key = dataset_key(name)
     if key == "shakespeare":
         corpus = load_shakespeare(data_dir=data_dir, block_size=block_size)
         return DatasetBundle(
@@ -89,7 +89,19 @@ def build_dataset(
         )
         train, val = _split(data, synthetic_size)
         return DatasetBundle(train, val, "tokens", _SYNTHETIC_VOCAB, None, (block_size,))
-    raise ValueError(f"Unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+    raise AssertionError(f"dataset {key!r} is in DATASETS but has no builder")
+
+
+def dataset_key(name: str) -> str:
+    """The name of :data:`DATASETS` that ``name`` means (case and ``-``/``_`` forgiven).
+
+    Raises ``ValueError`` naming the known datasets, so a run can refuse an unknown name
+    before it creates anything.
+    """
+    key = name.strip().lower().replace("-", "_")
+    if key not in DATASETS:
+        raise ValueError(f"Unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+    return key
 
 
 def _total(train_size: int) -> int:

@@ -9,6 +9,9 @@ Where the text comes from, first match wins:
 3. ``<cache_dir>/tinyshakespeare/input.txt`` -- an earlier download, checksum-verified;
 4. a download into that cache path (only with ``download=True``).
 
+Where none of these gives the file, :class:`~paratrain.data.missing.DatasetUnavailable`
+names the file, each of these places and the command that puts it there.
+
 A user's own copy is never rejected for its checksum (it may be deliberately edited or
 re-encoded), but a difference from the reference file is logged, because numbers from a
 different text are not comparable with published ones.
@@ -21,6 +24,7 @@ import os
 from pathlib import Path
 
 from .download import default_cache_dir, fetch, file_digest, verify_checksum
+from .missing import DatasetUnavailable, failure, unavailable
 from .text import TextCorpus
 
 __all__ = ["SHAKESPEARE_SHA256", "SHAKESPEARE_URL", "load_shakespeare"]
@@ -72,18 +76,30 @@ def _locate(
             _note_if_different(candidate)
             return candidate
 
-    cached = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    cached = cached / _FOLDER / _FILE
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cached = cache / _FOLDER / _FILE
     if download:
-        return fetch(url, cached, sha256=SHAKESPEARE_SHA256)
+        try:
+            return fetch(url, cached, sha256=SHAKESPEARE_SHA256)
+        except OSError as error:
+            why = f"could not be downloaded from {url} ({failure(error)})"
+            raise _unavailable(data_dir, cache, why) from error
     if cached.is_file():
         verify_checksum(cached, sha256=SHAKESPEARE_SHA256)
         return cached
-    looked = ", ".join(str(p) for p in [*user_copies, cached])
-    raise FileNotFoundError(
-        f"Tiny Shakespeare was not found (looked in {looked}) and download=False; pass "
-        f"download=True, or put input.txt from {SHAKESPEARE_URL} in data_dir or "
-        "$PARATRAIN_DATA/tinyshakespeare/."
+    why = f"download=False was passed (pass download=True to fetch it from {url})"
+    raise _unavailable(data_dir, cache, why)
+
+
+def _unavailable(data_dir: str | Path | None, cache: Path, why: str) -> DatasetUnavailable:
+    return unavailable(
+        "Tiny Shakespeare",
+        [_FILE],
+        folder=_FOLDER,
+        layouts=[_FOLDER, ""],
+        data_dir=data_dir,
+        cache=cache,
+        why=why,
     )
 
 

@@ -37,6 +37,7 @@ from paratrain.runtime.external_job import (
 from paratrain.runtime.hang import STORE_ENV
 
 DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("auto", "gloo", "nccl")
 _COMM_ERROR_MARKERS = ("DistBackendError", "Connection closed by peer", "Connection reset", "gloo")
 TOLERATE_LOST_WORKERS_KEY = "paratrain/launch/tolerate_lost_workers"
 
@@ -92,7 +93,7 @@ def default_device_count() -> int:
 
 def resolve_backend(backend: str, devices: int) -> str:
     """'auto' picks NCCL when every worker can have its own GPU, gloo otherwise."""
-    if backend not in ("auto", "gloo", "nccl"):
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}.")
     if backend == "auto":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
