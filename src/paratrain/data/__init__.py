@@ -9,7 +9,7 @@ the same global batches on every rank (or each rank's share of them), which is w
 from .download import ChecksumError, default_cache_dir, fetch
 from .fashion_mnist import load_fashion_mnist
 from .idx import read_idx
-from .loader import GlobalBatchLoader, ShardedBatchLoader, batches
+from .loader import GlobalBatchLoader, ShardedBatchLoader, batches, whole_split
 from .registry import DATASETS, DatasetBundle, build_dataset
 from .shakespeare import load_shakespeare
 from .synthetic import synthetic_classification, synthetic_images, synthetic_tokens
@@ -32,4 +32,5 @@ __all__ = [
     "synthetic_classification",
     "synthetic_images",
     "synthetic_tokens",
+    "whole_split",
 ]
