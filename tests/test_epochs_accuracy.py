@@ -18,6 +18,9 @@ import paratrain
 from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig, build_config
 from paratrain.data import whole_split
+from paratrain.losses import token_cross_entropy
+from paratrain.metrics import ClassificationSums
+from paratrain.parallel.metric_tally import ObservedLoss
 from paratrain.report import read_metrics
 from paratrain.run_length import eval_batches, evaluates_at, run_length
 from paratrain.trainer import make_optimizer
@@ -141,3 +144,28 @@ def test_the_console_prints_each_evaluation_and_metrics_hold_accuracy(tmp_path, 
     train = [r for r in records if r["kind"] == "train"]
     assert [(r["step"], r["epoch"]) for r in train] == [(5, 1), (10, 1), (15, 2), (20, 2)]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in train)
+
+
+def test_a_tally_inside_another_takes_the_pairs_until_it_closes():
+    """On one process (single): the evaluation's tally, opened inside the training one,
+    keeps the evaluation's predictions out of the running train accuracy; the wrapped loss
+    still offers a summed loss's count(targets) to the engines' loss reduction."""
+    split = metric_workers.classification_split(16)
+    engine = paratrain.setup(
+        metric_workers.model(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        strategy="single",
+    )
+    inputs, targets = split.tensors
+    train = engine.tally(ClassificationSums())
+    with engine.tally(ClassificationSums()) as inner:
+        engine.eval_step(inputs, targets)
+    engine.train_step(inputs[:8], targets[:8])
+    train.close()
+    engine.eval_step(inputs, targets)  # after close: counted nowhere
+    assert engine.tally_totals(inner)["count"] == 16
+    assert engine.tally_totals(train)["count"] == 8
+    expected = metric_workers.plain_figures(16, rows=8)["accuracy"] * 8
+    assert engine.tally_totals(train)["correct"] == expected
+    assert ObservedLoss(token_cross_entropy).count(torch.tensor([[1, -100, 2]])) == 2
