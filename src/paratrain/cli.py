@@ -109,7 +109,7 @@ def format_summary(result) -> str:
     lines = [
         f"paratrain train: {config.model} on {config.dataset}, strategy {config.strategy}, "
         f"{result.devices} worker(s), {result.steps} steps"
-        + (f" ({config.epochs} epochs)" if config.epochs else "")
+        + (f" ({config.epochs} epoch{'s' * (config.epochs > 1)})" if config.epochs else "")
         + f", global batch {config.global_batch}",
         f"  final train loss  {result.final_train_loss:.4f}",
     ]

@@ -358,7 +358,9 @@ def train_worker(
     length = run_length(config, len(bundle.train))
     metric = metric_for(bundle.kind)
     train_loader = GlobalBatchLoader(bundle.train, config.global_batch, seed=config.seed)
-    eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False)
+    eval_count = eval_batches(config, length)  # None: the whole split, which may be short
+    tail = "wrap" if eval_count is None else "drop"
+    eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False, tail=tail)
     first = 1
     if resume_from:
         checkpoint = engine.load_checkpoint(resume_from)
@@ -406,7 +408,7 @@ def train_worker(
         elapsed = time.perf_counter() - timed_from
         samples_per_s = timed_samples / elapsed if timed_samples else 0.0
         if evaluates_at(config, length, step):
-            evaluation = evaluate(engine, metric, eval_loader, eval_batches(config, length))
+            evaluation = evaluate(engine, metric, eval_loader, eval_count)
             if metrics:
                 metrics.write("eval", step=step, **_epoch(length, step), **evaluation.record())
             if lead:
