@@ -55,7 +55,14 @@ class Tally:
                 f"the metric returned {len(values)} values for its {len(self.metric.fields)} "
                 f"fields {', '.join(self.metric.fields)}; return one value per field."
             )
-        self.sums += torch.tensor([float(v) for v in values], dtype=torch.float64)
+        # Added where the metric computed them: no device-to-host wait per micro-batch.
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), self.sums.device)
+        row = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
+        )
+        if self.sums.device != row.device:
+            self.sums = self.sums.to(row.device)
+        self.sums += row
 
     def reset(self) -> None:
         self.sums.zero_()

@@ -258,7 +258,7 @@ class Engine(ABC):
         by field. Every worker calls it: where the workers split the batch it is a
         collective (``combine_tally``)."""
         sums = self.combine_tally(tally.sums.clone())
-        return dict(zip(tally.metric.fields, sums.tolist(), strict=True))
+        return dict(zip(tally.metric.fields, sums.cpu().tolist(), strict=True))
 
     def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
         """This worker's sums made the whole batch's. An engine whose workers each see a
