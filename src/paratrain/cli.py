@@ -129,11 +129,15 @@ def format_summary(result) -> str:
     config = result.config
     lines = [
         f"paratrain train: {config.model} on {config.dataset}, strategy {config.strategy}, "
-        f"{result.devices} worker(s), {config.steps} steps, global batch {config.global_batch}",
+        f"{result.devices} worker(s), {result.steps} steps"
+        + (f" ({config.epochs} epoch{'s' * (config.epochs > 1)})" if config.epochs else "")
+        + f", global batch {config.global_batch}",
         f"  final train loss  {result.final_train_loss:.4f}",
     ]
     if result.final_eval_loss is not None:
         lines.append(f"  final eval loss   {result.final_eval_loss:.4f}")
+    if result.final_accuracy is not None:
+        lines.append(f"  final accuracy    {100 * result.final_accuracy:.2f}%")
     lines.append(f"  throughput        {result.samples_per_s:,.1f} samples/s")
     if config.precision != "fp32":
         lines.append(f"  precision         {config.precision}")

@@ -71,7 +71,12 @@ class RunSettings:
         default=None,
         metadata={"help": "workers to start (default: the GPUs, else min(4, CPU cores))"},
     )
-    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    steps: int | None = field(
+        default=None, metadata={"help": "optimizer steps (300 unless --epochs is given)"}
+    )
+    epochs: int | None = field(
+        default=None, metadata={"help": "passes over the training split, instead of --steps"}
+    )
     global_batch: int = field(default=32, metadata={"help": "samples per optimizer step"})
     gradient_accumulation: int = field(default=1, metadata={"help": "micro-steps per step"})
     optimizer: str = field(
@@ -95,7 +100,7 @@ class RunSettings:
     warmup_steps: int = field(
         default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}
     )
-    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    momentum: float = field(default=0.0, metadata={"help": "SGD momentum (0 as torch.optim.SGD)"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
     seed: int = field(default=0, metadata={"help": "seed for weights and data order"})
     block_size: int = field(default=64, metadata={"help": "context length (gpt)"})
@@ -118,12 +123,19 @@ class RunSettings:
             "(default: no budget)"
         },
     )
-    eval_every: int = field(default=100, metadata={"help": "steps between evaluations"})
-    eval_batches: int = field(
-        default=4,
+    eval_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "steps between evaluations (default: 100; with --epochs, each epoch's "
+            "end; 0: none)"
+        },
+    )
+    eval_batches: int | str | None = field(
+        default=None,
         metadata={
             "help": "batches per evaluation: a sample of N batches, or `all` for the whole "
-            "test split"
+            "test split (default: all with --epochs, else 4)",
+            "words": ("all",),
         },
     )
     log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
@@ -166,7 +178,7 @@ class RunSettings:
             ("global_batch", 1),
             ("gradient_accumulation", 1),
             ("block_size", 1),
-            ("eval_batches", 1),
+            ("epochs", 1),
             ("log_every", 1),
             ("eval_every", 0),
             ("sample_chars", 0),
@@ -176,8 +188,12 @@ class RunSettings:
             ("max_restarts", 0),
         ):
             value = getattr(self, name)
-            if value < minimum:
+            if value is not None and value < minimum:
                 raise ConfigError(f"{name} must be at least {minimum}, not {value}.")
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError("steps and epochs both set the run's length; pass only one of them.")
+        if self.eval_batches != "all" and self.eval_batches is not None and self.eval_batches < 1:
+            raise ConfigError(f"eval_batches must be at least 1 or all, not {self.eval_batches}.")
         if self.devices is not None and self.devices < 1:
             raise ConfigError(f"devices must be at least 1, not {self.devices}.")
         if self.lr <= 0:
@@ -271,12 +287,19 @@ def _none_allowed(name: str) -> bool:
     return any(f.name == name and f.metadata.get("none_allowed") for f in fields(TrainConfig))
 
 
+def _words(name: str) -> tuple[str, ...]:
+    """Words a number field takes besides numbers (``eval_batches``: all)."""
+    return next((f.metadata.get("words", ()) for f in fields(TrainConfig) if f.name == name), ())
+
+
 def coerce(name: str, value: Any, kind: type) -> Any:
     """Check (TOML) or convert (command line strings) one value to its field's type."""
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() == "none" and _none_allowed(name):
         return None  # TOML has no null and a flag has no None: "none" says it
+    if isinstance(value, str) and value.strip().lower() in _words(name):
+        return value.strip().lower()  # a word a number field also takes ("all")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -302,7 +325,8 @@ def coerce(name: str, value: Any, kind: type) -> Any:
             return kind(value)
         except ValueError:
             pass
-    raise ConfigError(f"{name} must be a {kind.__name__}, not {value!r}.")
+    alternatives = "".join(f" or {word}" for word in _words(name))
+    raise ConfigError(f"{name} must be a {kind.__name__}{alternatives}, not {value!r}.")
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

@@ -31,7 +31,9 @@ from paratrain.data import (
     batches,
     build_dataset,
 )
+from paratrain.evaluation import evaluate, running_accuracy
 from paratrain.lr_schedule import lr_factor, set_learning_rate
+from paratrain.metrics import metric_for
 from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import RunSpec, strategy_class, strategy_names
 from paratrain.parallel.fit_advice import advice
@@ -51,6 +53,7 @@ from paratrain.resume import (
     prune,
     run_dir_of,
 )
+from paratrain.run_length import RunLength, eval_batches, evaluates_at, run_length
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.external_job import check_job_devices, is_main_process
@@ -83,6 +86,10 @@ class RunResult:
     """Each worker's memory ledger (``MemoryLedger.record()``), in rank order."""
     skipped_steps: int = 0
     """Steps skipped because fp16 gradients overflowed."""
+    steps: int = 0
+    """Optimizer steps the run was set to take (``--steps``, or ``--epochs`` made steps)."""
+    final_accuracy: float | None = None
+    """The last evaluation's accuracy (classification datasets)."""
     loss_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -249,12 +256,14 @@ def fit(config: TrainConfig) -> RunResult:
     check_pairing(config, bundle)
     validate(config, bundle)
     check_memory(config, bundle, devices)
+    length = run_length(config, len(bundle.train))
     resume_from = find_checkpoint(config.resume) if config.resume else None
     saved_step = read_manifest(resume_from).get("step", 0) if resume_from else 0
-    if saved_step >= config.steps:
+    if saved_step >= length.steps:
+        more = "--steps" if length.epochs is None else "--epochs"
         raise ConfigError(
-            f"{resume_from} is already at step {saved_step}; "
-            "pass --steps above that to train further."
+            f"{resume_from} is already at step {saved_step} of {length.steps}; "
+            f"pass {more} above that to train further."
         )
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is None:
@@ -282,6 +291,8 @@ def fit(config: TrainConfig) -> RunResult:
         memory=[r["memory"] for r in reports],
         skipped_steps=lead["skipped_steps"],
         loss_scale=lead["loss_scale"],
+        steps=length.steps,
+        final_accuracy=lead["final_accuracy"],
     )
     if strategy_class(config.strategy).independent_workers:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
@@ -354,11 +365,6 @@ def write_memory(engine, metrics: MetricsWriter | None) -> list[dict[str, Any]]:
     return gathered or []
 
 
-def _evaluate(engine, loader: GlobalBatchLoader, count: int) -> float:
-    losses = [engine.eval_step(x, y) for x, y in batches(loader, count)]
-    return sum(losses) / len(losses)
-
-
 def train_worker(
     config: TrainConfig, run_dir: str, resume_from: str | None = None, attempt: int = 0
 ) -> dict[str, Any]:
@@ -376,8 +382,12 @@ def train_worker(
         **options,
     )
     lead = comm.rank() == 0
+    length = run_length(config, len(bundle.train))
+    metric = metric_for(bundle.kind)
     train_loader = GlobalBatchLoader(bundle.train, config.global_batch, seed=config.seed)
-    eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False)
+    eval_count = eval_batches(config, length)  # None: the whole split, which may be short
+    tail = "wrap" if eval_count is None else "drop"
+    eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False, tail=tail)
     first = 1
     if resume_from:
         checkpoint = engine.load_checkpoint(resume_from)
@@ -388,28 +398,30 @@ def train_worker(
         metrics.write(
             "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
         )
-    bar = _progress_bar(config, enabled=lead, initial=first - 1)
-    eval_loss = None
+    bar = _progress_bar(config, length, enabled=lead, initial=first - 1)
+    evaluation = None
     start = time.perf_counter()
     timed_from, timed_samples = start, 0
     stats = None
-    remaining = config.steps - first + 1
+    remaining = length.steps - first + 1
     # A stage without parameters (pipeline) holds no optimizer and nothing to schedule.
     scheduled = engine.optimizer is not None and (
         config.lr_schedule != "constant" or config.warmup_steps > 0
     )
+    train_tally = engine.tally(metric)  # every training prediction, until closed
     for step, (inputs, targets) in enumerate(batches(train_loader, remaining), start=first):
         inject_fault(step, attempt)
         if scheduled:
             factor = lr_factor(
                 config.lr_schedule,
                 step,
-                total_steps=config.steps,
+                total_steps=length.steps,
                 warmup_steps=config.warmup_steps,
             )
             set_learning_rate(engine.optimizer, config.lr * factor)
         stats = engine.train_step(inputs, targets)
-        if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+        periodic = config.checkpoint_every and step % config.checkpoint_every == 0
+        if periodic and step < length.steps:
             engine.save_checkpoint(
                 Path(run_dir) / "checkpoints" / f"step-{step:08d}",
                 metadata=checkpoint_metadata(config, train_loader),
@@ -422,15 +434,22 @@ def train_worker(
             timed_samples += stats.samples
         elapsed = time.perf_counter() - timed_from
         samples_per_s = timed_samples / elapsed if timed_samples else 0.0
-        if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
-            eval_loss = _evaluate(engine, eval_loader, config.eval_batches)
+        if evaluates_at(config, length, step):
+            evaluation = evaluate(engine, metric, eval_loader, eval_count)
             if metrics:
-                metrics.write("eval", step=step, eval_loss=eval_loss)
-        if metrics and (step % config.log_every == 0 or step == config.steps):
+                metrics.write("eval", step=step, **_epoch(length, step), **evaluation.record())
+            if lead:
+                _console(evaluation.line(length.where(step)), bar)
+        logs = step % config.log_every == 0 or step == length.steps
+        if logs:  # every worker: a collective where the workers split the batch
+            accuracy = running_accuracy(engine, train_tally)
+        if metrics and logs:
             metrics.write(
                 "train",
                 step=step,
+                **_epoch(length, step),
                 loss=stats.loss,
+                **({"accuracy": accuracy} if accuracy is not None else {}),
                 samples_per_s=samples_per_s,
                 comm_bytes=stats.comm_bytes,
                 skipped_steps=stats.skipped_steps,
@@ -444,7 +463,12 @@ def train_worker(
             )
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.4f}", samples_s=f"{samples_per_s:.0f}")
+            bar.set_postfix(
+                **_epoch(length, step, text=True),
+                loss=f"{stats.loss:.4f}",
+                samples_s=f"{samples_per_s:.0f}",
+            )
+    train_tally.close()
     if bar is not None:
         bar.close()
     if isinstance(engine, RecordsTimeline):
@@ -458,7 +482,8 @@ def train_worker(
     report = {
         "rank": comm.rank(),
         "final_train_loss": stats.loss,
-        "final_eval_loss": eval_loss,
+        "final_eval_loss": evaluation.loss if evaluation else None,
+        "final_accuracy": evaluation.accuracy if evaluation else None,
         "samples_per_s": timed_samples / total if timed_samples else 0.0,
         "peak_memory_bytes": peak_memory_bytes(engine.device),
         "parameter_bytes": engine.parameter_bytes,
@@ -479,7 +504,23 @@ def train_worker(
     return report
 
 
-def _progress_bar(config: TrainConfig, *, enabled: bool, initial: int = 0):
+def _epoch(length: RunLength, step: int, *, text: bool = False) -> dict[str, Any]:
+    """``{"epoch": 2}`` (``"2/4"`` as text) in a run by epochs; nothing in one by steps."""
+    if length.epochs is None:
+        return {}
+    epoch = length.epoch_of(step)
+    return {"epoch": f"{epoch}/{length.epochs}" if text else epoch}
+
+
+def _console(line: str, bar) -> None:
+    """One line on the console, above the progress bar where there is one."""
+    if bar is None:
+        print(line, flush=True)
+    else:
+        bar.write(line)
+
+
+def _progress_bar(config: TrainConfig, length: RunLength, *, enabled: bool, initial: int = 0):
     if not (enabled and config.progress):
         return None
 
@@ -488,7 +529,7 @@ def _progress_bar(config: TrainConfig, *, enabled: bool, initial: int = 0):
     # Redrawn in place on a terminal; in a log file, a line every 10 s rather than a flood.
     interval = 0.2 if sys.stderr.isatty() else 10.0
     return tqdm(
-        total=config.steps,
+        total=length.steps,
         desc=f"train {config.model}/{config.strategy}",
         unit="step",
         initial=initial,

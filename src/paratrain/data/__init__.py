@@ -9,7 +9,7 @@ the same global batches on every rank (or each rank's share of them), which is w
 from .download import ChecksumError, default_cache_dir, fetch
 from .fashion_mnist import load_fashion_mnist
 from .idx import read_idx
-from .loader import GlobalBatchLoader, ShardedBatchLoader, batches
+from .loader import GlobalBatchLoader, ShardedBatchLoader, batches, whole_split
 from .missing import DatasetUnavailable
 from .registry import DATASETS, DatasetBundle, build_dataset, dataset_key
 from .shakespeare import load_shakespeare
@@ -35,4 +35,5 @@ __all__ = [
     "synthetic_classification",
     "synthetic_images",
     "synthetic_tokens",
+    "whole_split",
 ]

@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["GlobalBatchLoader", "ShardedBatchLoader", "batches"]
+__all__ = ["GlobalBatchLoader", "ShardedBatchLoader", "batches", "whole_split"]
 
 Tail = Literal["drop", "wrap"]
 T = TypeVar("T")
@@ -256,6 +256,22 @@ def batches(loader: Iterable[T], steps: int) -> Iterator[T]:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
     return _take(loader, steps)
+
+
+def whole_split(dataset: Dataset, global_batch: int) -> Iterator[tuple[Any, int]]:
+    """Every sample of ``dataset`` once, in order, as whole global batches, each with how
+    many of its leading rows are real.
+
+    For an evaluation over a whole test split: the engines split a batch evenly over
+    replicas and micro-batches, so the last, short batch is completed (``tail="wrap"``)
+    with repeats of the split's first rows; the caller masks rows from ``real`` on, so
+    that every sample counts exactly once however the split divides the batch.
+    """
+    loader = GlobalBatchLoader(dataset, global_batch, shuffle=False, tail="wrap")
+    remaining = loader.num_samples
+    for batch in loader:
+        yield batch, min(remaining, global_batch)
+        remaining -= global_batch
 
 
 def _take(loader: Iterable[T], steps: int) -> Iterator[T]:

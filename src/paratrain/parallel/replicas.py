@@ -70,6 +70,10 @@ class ReplicaShare:
     def _after_eval(self) -> None:
         """Called after the evaluation forward, before the loss is averaged."""
 
+    def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
+        """Each replica's loss saw its own share of every batch: their sums add up."""
+        return self.sum_over_workers(sums, self.group) if self._replicas > 1 else sums
+
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:
         """Mean loss over the global batch: each replica's share, averaged over replicas."""

@@ -23,6 +23,7 @@ from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.checkpointing import load_engine_checkpoint, save_engine_checkpoint
 from paratrain.parallel.clipping import check_max_grad_norm
 from paratrain.parallel.memory_tracking import MemoryTracker
+from paratrain.parallel.metric_tally import Metric, ObservedLoss, Tally
 from paratrain.parallel.options import RunSpec, StrategyOption
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import strategy_class, strategy_names
@@ -240,6 +241,42 @@ class Engine(ABC):
     @abstractmethod
     def eval_step(self, inputs: Any, targets: Any) -> float:
         """Mean loss over the global batch, changing nothing."""
+
+    # -- metrics read off the predictions (see ``metric_tally``) -----------------------------
+
+    def tally(self, metric: Metric) -> Tally:
+        """A tally open from now on: every (outputs, targets) pair this worker's loss sees,
+        in ``train_step`` and ``eval_step`` alike, also goes to ``metric``, whose values
+        it sums, until ``close()`` (or a ``with`` block's end). The newest open tally
+        takes the pairs."""
+        if not isinstance(self.loss_fn, ObservedLoss):
+            self.loss_fn = ObservedLoss(self.loss_fn)
+        return Tally(metric, self.loss_fn)
+
+    def tally_totals(self, tally: Tally) -> dict[str, float]:
+        """The tally's sums over every batch this engine's workers saw while it was open,
+        by field. Every worker calls it: where the workers split the batch it is a
+        collective (``combine_tally``)."""
+        sums = self.combine_tally(tally.sums.clone())
+        return dict(zip(tally.metric.fields, sums.cpu().tolist(), strict=True))
+
+    def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
+        """This worker's sums made the whole batch's. An engine whose workers each see a
+        part of the batch adds them up over those workers (``sum_over_workers``); the
+        default serves an engine alone in its job and refuses a guess in any other."""
+        if comm.distributed() and comm.world_size() > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not say how its workers' metric sums add up; "
+                "override combine_tally to sum them over the workers that split the batch."
+            )
+        return sums
+
+    def sum_over_workers(self, sums: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """``sums`` added over ``group`` (None: every worker), through this worker's device
+        (NCCL reduces device tensors only); returned on the CPU."""
+        moved = sums.to(self._device)
+        comm.all_reduce_sum(moved, group=group)
+        return moved.cpu()
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -378,6 +378,12 @@ class PipelineEngine(RecordsTimeline, Engine):
             comm.all_reduce_sum(loss, group=self.mesh.dp_group)
         return float(loss.reshape(-1)[0])
 
+    def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
+        """Only the last stage's loss sees predictions, each replica's its own share; the
+        other stages hold zeros, so the sum over every worker is the whole batch's (and
+        reaches rank 0, a first stage, which writes the metrics)."""
+        return self.sum_over_workers(sums) if comm.world_size() > 1 else sums
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full canonical state on rank 0; on other ranks, their own stage's entries."""
         own = {

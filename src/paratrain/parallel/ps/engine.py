@@ -457,6 +457,12 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         self.model.train(was_training)
         return loss_value(result)
 
+    def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
+        """No worker waits on another: each keeps its own sums. Its evaluation covers the
+        whole batch (with the parameters it pulled); in training, its own shares, as its
+        step's loss is its share's."""
+        return sums
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The servers' current parameters (and this worker's buffers), canonical, on CPU.
 
