@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import paratrain
+import paratrain.losses  # noqa: F401  (test_hf_models.plain_loop reads it)
 from paratrain.parallel.pipeline.partition import PartitionError
 from paratrain.parallel.pipeline.split_points import plan_stages, valid_split_points
 from tests import hf_workers, split_workers
