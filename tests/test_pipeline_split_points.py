@@ -127,3 +127,19 @@ def test_hugging_face_models_train_under_the_pipeline_and_load_into_a_fresh_mode
         assert relative_error(dict(fresh.state_dict()), reference) <= TOLERANCE
         if kind == "gpt2":
             assert torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)
+
+
+def test_split_points_of_a_layer_list_are_its_balance_and_parse_from_the_command_line():
+    from paratrain.parallel.pipeline.options import OPTIONS
+    from paratrain.parallel.pipeline.split_points import layer_list_balance
+
+    layers = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(5)])
+    assert layer_list_balance(layers, ["2", "4"], 3) == [2, 2, 1]
+    with pytest.raises(PartitionError, match="'0' is not a layer where a stage can start"):
+        layer_list_balance(layers, ["0"], 2)
+    option = next(o for o in OPTIONS if o.name == "split_points")
+    assert option.flag == "--split-points"
+    assert option.engine_value("transformer.h.2, transformer.h.4") == [
+        "transformer.h.2",
+        "transformer.h.4",
+    ]

@@ -1,5 +1,9 @@
 """Pipeline model parallel: contiguous stages of the layer list, fed micro-batches.
 
+A model that is not a layer list is cut at named blocks instead (``split_points``,
+``stage_run``): each stage holds the whole module tree with other stages' state on meta and
+runs the model's own forward; everything below is the same for both.
+
 Each worker keeps only its stage's layers (the rest are moved to the meta device, which
 frees their memory) and builds the optimizer over those parameters alone. A schedule from
 ``schedules`` (GPipe or 1F1B) tells each stage the order of its forwards and backwards;
@@ -63,6 +67,7 @@ from paratrain.parallel.pipeline.partition import (
 from paratrain.parallel.pipeline.schedules import get_schedule
 from paratrain.parallel.pipeline.split_points import (
     is_layer_list,
+    layer_list_balance,
     plan_stages,
     refuse_for_split_points,
 )
@@ -133,13 +138,14 @@ class PipelineEngine(RecordsTimeline, Engine):
     Options: ``stages`` (pipeline depth; workers / stages replicas of each stage),
     ``micro_batches`` per replica and step (default 2 x stages), ``schedule`` ("1f1b" or
     "gpipe"), ``balance`` (explicit layers per stage) or ``balance_by`` ("params", "time",
-    "memory"; the last two need ``sample_input``), ``recompute`` (keep only each stage's
+    "memory"; the last two need ``sample_input``), ``split_points`` (block names where
+    stages start, for a model that is not a layer list), ``recompute`` (keep only each stage's
     input per micro-batch and recompute the rest in backward), ``bucket_mb`` (gradient
     all-reduce buckets across replicas).
     """
 
     options = OPTIONS
-    advice_rank = 4  # after zero3: it needs the model as a layer list
+    advice_rank = 4  # after zero3: its stages cut at layers or named blocks
 
     @classmethod
     def replicas(cls, devices: int, options: dict[str, Any]) -> int:
@@ -157,7 +163,9 @@ class PipelineEngine(RecordsTimeline, Engine):
             return
         stages, balance = run.options.get("stages", 2), run.options.get("balance")
         model = run.build_model()
-        if run.options.get("split_points") is not None or not is_layer_list(model):
+        if run.options.get("split_points") is not None and is_layer_list(model):
+            balance = layer_list_balance(model, run.options["split_points"], stages)
+        elif not is_layer_list(model):
             refuse_for_split_points(
                 balance=balance,
                 balance_by=run.options.get("balance_by", "params"),
@@ -234,7 +242,11 @@ class PipelineEngine(RecordsTimeline, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
-        sequential = split_points is None and is_layer_list(model)
+        sequential = is_layer_list(model)
+        if sequential and split_points is not None:
+            if balance is not None:
+                raise ValueError("give balance or split_points, not both.")
+            balance = layer_list_balance(model, split_points, stages)
         if not sequential:
             refuse_for_split_points(balance=balance, balance_by=balance_by, recompute=recompute)
         elif recompute:

@@ -217,3 +217,26 @@ def refuse_for_split_points(*, balance: object, balance_by: str, recompute: bool
             "recompute=True needs the model as an nn.Sequential under the pipeline; drop it "
             "for a model cut at named blocks."
         )
+
+
+def layer_list_balance(model: nn.Module, split_points: list[str], stages: int) -> list[int]:
+    """Split points of a layer list (``"3"``, or ``"layers.3"``) as its ``balance``."""
+    layers, prefix = layer_list(model)
+    valid = [f"{prefix}{index}" for index in range(1, len(layers))]
+    if len(split_points) != stages - 1:
+        raise PartitionError(
+            f"{stages} stages need {stages - 1} split points, not {len(split_points)}; "
+            f"give {stages - 1} layer names or leave split_points out to choose them."
+        )
+    for point in split_points:
+        if point not in valid:
+            raise PartitionError(
+                f"split point {point!r} is not a layer where a stage can start; one of: "
+                f"{', '.join(valid)}."
+            )
+    starts = [0, *(int(p[len(prefix) :]) for p in split_points), len(layers)]
+    if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+        raise PartitionError(
+            f"split points {split_points} must name layers in increasing order, each once."
+        )
+    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
