@@ -29,9 +29,9 @@ def layer_list(model: nn.Module) -> tuple[nn.Sequential, str]:
         if not outside:
             return layers, "layers."
     raise LayerListError(
-        f"{type(model).__name__} is not a layer list: pipeline stages need an nn.Sequential "
-        "(or a module whose parameters all live in an nn.Sequential attribute `layers`); "
-        "rewrite the model as nn.Sequential(embedding, *blocks, norm, head)."
+        f"{type(model).__name__} is not a layer list (an nn.Sequential, or a module whose "
+        "parameters all live in an nn.Sequential attribute `layers`); rewrite the model as "
+        "nn.Sequential(embedding, *blocks, norm, head)."
     )
 
 

@@ -1,7 +1,9 @@
-"""``strategy="pipeline"``: contiguous stages of the layer list, fed micro-batches.
+"""``strategy="pipeline"``: contiguous stages of the model, fed micro-batches.
 
 engine.py           the engine (GPipe/1F1B, recompute, dp x pp hybrid)
-options.py          its options (stages, micro-batches, schedule, balance)
+options.py          its options (stages, micro-batches, schedule, balance, split points)
+split_points.py     a model that is no layer list: stages at named blocks, who owns what
+stage_run.py        NamedStage: one stage of such a model, run through its own forward
 schedules.py        GPipe, 1F1B, interleaved 1F1B as pure schedules + simulator
 partition.py        balance_by_cost and the refusals (pure)
 p2p.py              StageLink: tagged, pre-posted point-to-point messages

@@ -1,5 +1,9 @@
 """Pipeline model parallel: contiguous stages of the layer list, fed micro-batches.
 
+A model that is not a layer list is cut at named blocks instead (``split_points``,
+``stage_run``): each stage holds the whole module tree with other stages' state on meta and
+runs the model's own forward; everything below is the same for both.
+
 Each worker keeps only its stage's layers (the rest are moved to the meta device, which
 frees their memory) and builds the optimizer over those parameters alone. A schedule from
 ``schedules`` (GPipe or 1F1B) tells each stage the order of its forwards and backwards;
@@ -61,8 +65,15 @@ from paratrain.parallel.pipeline.partition import (
     validate_balance,
 )
 from paratrain.parallel.pipeline.schedules import get_schedule
+from paratrain.parallel.pipeline.split_points import (
+    is_layer_list,
+    layer_list_balance,
+    plan_stages,
+    refuse_for_split_points,
+)
+from paratrain.parallel.pipeline.stage_run import NamedStage
 from paratrain.parallel.pipeline.structure import flatten, floating
-from paratrain.parallel.pipeline.ties import CrossStageTies, release_shared
+from paratrain.parallel.pipeline.ties import CrossStageTies, layer_list_stages, release_shared
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import refuse_batchnorm
 from paratrain.parallel.registry import register
@@ -78,6 +89,7 @@ from paratrain.parallel.strategy import (
 )
 from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
+from paratrain.runtime.memory import model_state_bytes
 from paratrain.runtime.mesh import check_degrees, pipeline_mesh
 
 
@@ -126,13 +138,14 @@ class PipelineEngine(RecordsTimeline, Engine):
     Options: ``stages`` (pipeline depth; workers / stages replicas of each stage),
     ``micro_batches`` per replica and step (default 2 x stages), ``schedule`` ("1f1b" or
     "gpipe"), ``balance`` (explicit layers per stage) or ``balance_by`` ("params", "time",
-    "memory"; the last two need ``sample_input``), ``recompute`` (keep only each stage's
+    "memory"; the last two need ``sample_input``), ``split_points`` (block names where
+    stages start, for a model that is not a layer list), ``recompute`` (keep only each stage's
     input per micro-batch and recompute the rest in backward), ``bucket_mb`` (gradient
     all-reduce buckets across replicas).
     """
 
     options = OPTIONS
-    advice_rank = 4  # after zero3: it needs the model as a layer list
+    advice_rank = 4  # after zero3: its stages cut at layers or named blocks
 
     @classmethod
     def replicas(cls, devices: int, options: dict[str, Any]) -> int:
@@ -149,7 +162,18 @@ class PipelineEngine(RecordsTimeline, Engine):
         if run.build_model is None:
             return
         stages, balance = run.options.get("stages", 2), run.options.get("balance")
-        model_layers = layer_list(run.build_model())[0]
+        model = run.build_model()
+        if run.options.get("split_points") is not None and is_layer_list(model):
+            balance = layer_list_balance(model, run.options["split_points"], stages)
+        elif not is_layer_list(model):
+            refuse_for_split_points(
+                balance=balance,
+                balance_by=run.options.get("balance_by", "params"),
+                recompute=run.options.get("recompute", False),
+            )
+            plan_stages(model, stages, run.options.get("split_points"))
+            return
+        model_layers = layer_list(model)[0]
         if run.options.get("recompute"):
             refuse_batchnorm(model_layers)
         layers = len(model_layers)
@@ -206,6 +230,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         sample_input: Any = None,
         recompute: bool = False,
         bucket_mb: float = 25.0,
+        split_points: list[str] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -217,38 +242,45 @@ class PipelineEngine(RecordsTimeline, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
-        layers, prefix = layer_list(model)
-        if recompute:
-            refuse_batchnorm(layers)  # before any collective: every worker refuses alike
+        sequential = is_layer_list(model)
+        if sequential and split_points is not None:
+            if balance is not None:
+                raise ValueError("give balance or split_points, not both.")
+            balance = layer_list_balance(model, split_points, stages)
+        if not sequential:
+            refuse_for_split_points(balance=balance, balance_by=balance_by, recompute=recompute)
+        elif recompute:
+            refuse_batchnorm(layer_list(model)[0])  # before any collective: alike everywhere
         self.micro_batches = micro_batches or 2 * stages
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
         self.schedule_name = schedule
         self.actions = get_schedule(schedule)(stages, self.micro_batches)
         self.mesh = pipeline_mesh(stages)
-        self.balance = choose_balance(
-            layers, stages, balance=balance, balance_by=balance_by, sample_input=sample_input
-        )
-        bounds = stage_bounds(self.balance)
-        start, end = bounds[self.mesh.stage]
-        self.slice = LayerSlice(start, end, prefix)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
-        self.ties = CrossStageTies(layers, bounds, self.mesh, self.slice)
-        kept = {id(p) for index in range(start, end) for p in layers[index].parameters()}
-        for index, layer in enumerate(layers):
-            if not start <= index < end:
-                release_shared(layer, kept)  # a tied Parameter stays whole on this stage
-                layer.to("meta")  # frees the memory of layers other stages own
-        self.module = nn.Sequential(*[layers[i] for i in range(start, end)]).to(self._device)
-        self.ties.attach(self.module, self.slice)
+        self.slice: LayerSlice | None = None
+        self.named: NamedStage | None = None
+        if sequential:
+            self._cut_layer_list(model, balance, balance_by, sample_input)
+        else:
+            plan = plan_stages(model, stages, split_points)
+            self.balance, self.split_points = plan.balance, plan.split_points
+            named = [
+                (n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)
+            ]
+            self.ties = CrossStageTies(named, self.mesh)
+            self.named = NamedStage(model, plan, self.mesh.stage, self._device)
+            self.module = model  # the whole model; other stages' modules are on meta
+        self._params = [p for _, p in self.named_local_parameters()]
+        self.ties.attach(dict(self._full_named_parameters()))
         self.recompute = recompute
         self.reducer: BucketedGradientReducer | None = None
         if self.mesh.replicas > 1:
             comm.broadcast_tensors(
-                [*self.module.parameters(), *self.module.buffers()], src=0, group=self.mesh.dp_group
+                [*self._params, *self._local_buffers()], src=0, group=self.mesh.dp_group
             )
             self.reducer = BucketedGradientReducer(
-                list(self.module.parameters()),
+                list(self._params),
                 group=self.mesh.dp_group,
                 bucket_bytes=int(bucket_mb * MiB),
                 first_bucket_bytes=int(bucket_mb * MiB),
@@ -271,10 +303,56 @@ class PipelineEngine(RecordsTimeline, Engine):
         self._step_loss: torch.Tensor | None = None
         self.events: list[dict[str, Any]] = []
         self.memory.watch(
-            self.module.parameters(),
+            self._params,
             model_state=self.model_state_bytes,
             communication=self.link.held_bytes,
         )
+
+    def _cut_layer_list(self, model, balance, balance_by, sample_input) -> None:
+        """Keep this stage's slice of the layer list; the other layers go to meta."""
+        layers, prefix = layer_list(model)
+        self.balance = choose_balance(
+            layers,
+            self.mesh.stages,
+            balance=balance,
+            balance_by=balance_by,
+            sample_input=sample_input,
+        )
+        self.split_points = None
+        bounds = stage_bounds(self.balance)
+        start, end = bounds[self.mesh.stage]
+        self.slice = LayerSlice(start, end, prefix)
+        self.ties = CrossStageTies(layer_list_stages(layers, bounds, prefix), self.mesh)
+        kept = {id(p) for index in range(start, end) for p in layers[index].parameters()}
+        for index, layer in enumerate(layers):
+            if not start <= index < end:
+                release_shared(layer, kept)  # a tied Parameter stays whole on this stage
+                layer.to("meta")  # frees the memory of layers other stages own
+        self.module = nn.Sequential(*[layers[i] for i in range(start, end)]).to(self._device)
+
+    def _full_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every name of this stage's parameters (tied ones under each name they have)."""
+        if self.named is not None:
+            own = self.named.plan.owner
+            return [
+                (n, p)
+                for n, p in self.module.named_parameters(remove_duplicate=False)
+                if own.get(n) == self.mesh.stage
+            ]
+        named = self.module.named_parameters(remove_duplicate=False)
+        return [(self.slice.canonical(n), p) for n, p in named]
+
+    def _local_buffers(self) -> list[torch.Tensor]:
+        if self.named is None:
+            return list(self.module.buffers())
+        return [b for b in self.module.buffers() if b.device.type != "meta"]
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return model_state_bytes(self._params, self.optimizer)
 
     # -- Engine interface ---------------------------------------------------------------
 
@@ -295,6 +373,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             "replicas": self.mesh.replicas,
             "balance": self.balance,
             "recompute": self.recompute,
+            **({"split_points": self.split_points} if self.split_points is not None else {}),
         }
 
     def timeline_identity(self) -> dict[str, Any]:
@@ -333,7 +412,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         if self.reducer is not None:
             loss = self.reducer.finish(extras_count=1)[0]
         self.ties.reduce_gradients()  # after the replicas' reduction, as Megatron does
-        grads = (p.grad for p in self.module.parameters())  # read only under fp16
+        grads = (p.grad for p in self._params)  # read only under fp16
         finite = self.precision.unscale_and_check(grads, device=self._device)  # whole-job vote
         if finite and self.max_grad_norm is not None:
             self._clip()
@@ -360,12 +439,10 @@ class PipelineEngine(RecordsTimeline, Engine):
             device=self._device,
         )
         for m in range(micro):
-            if self.mesh.is_first:
-                x = to_device(share_in[m], self._device)
-            else:
-                x = self.link.recv_activation(m)
+            inputs = to_device(share_in[m], self._device) if self._needs_inputs else None
+            x = inputs if self.mesh.is_first else self.link.recv_activation(m)
             with self.precision.autocast(self._device):
-                y = self._run_stage(x, recompute=False)
+                y = self._run_stage(x, recompute=False, inputs=inputs)
                 if self.mesh.is_last:
                     totals.add(self.loss_fn(y, to_device(share_tgt[m], self._device)))
             if not self.mesh.is_last:
@@ -388,7 +465,7 @@ class PipelineEngine(RecordsTimeline, Engine):
         """Full canonical state on rank 0; on other ranks, their own stage's entries."""
         own = {
             key: value.detach().to("cpu", copy=True)
-            for key, value in self.slice.to_canonical(self.module.state_dict()).items()
+            for key, value in self.named_local_state().items()
         }
         gathered: list[Any] = [None] * dist.get_world_size() if comm.rank() == 0 else None
         dist.gather_object(own if self.mesh.replica == 0 else {}, gathered, dst=0)
@@ -400,12 +477,19 @@ class PipelineEngine(RecordsTimeline, Engine):
         return full
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(self.slice.from_canonical(state))
+        if self.named is not None:
+            self.named.load(state)
+        else:
+            self.module.load_state_dict(self.slice.from_canonical(state))
 
     def named_local_state(self) -> dict[str, torch.Tensor]:
+        if self.named is not None:
+            return self.named.state()
         return self.slice.to_canonical(self.module.state_dict())
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        if self.named is not None:
+            return self.named.named_parameters()
         return [(self.slice.canonical(n), p) for n, p in self.module.named_parameters()]
 
     def tied_names(self) -> dict[str, str]:
@@ -425,7 +509,7 @@ class PipelineEngine(RecordsTimeline, Engine):
     def _run_round(self, inputs: Any, targets: Any, *, final: bool) -> None:
         """One pass of the schedule over ``micro_batches`` micro-batches."""
         micro = self.micro_batches
-        micro_in = split_micro(inputs, micro) if self.mesh.is_first else []
+        micro_in = split_micro(inputs, micro) if self._needs_inputs else []
         micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
         scale = 1.0 / (self.gradient_accumulation * micro * self.mesh.replicas)  # a mean's
         self.link.begin_round(micro, expect_loss=final)
@@ -456,15 +540,16 @@ class PipelineEngine(RecordsTimeline, Engine):
         Returns when the computation started, after the input arrived, so that waiting for
         a neighbour shows as idle time on the timeline, not as work.
         """
+        inputs = to_device(micro_in[m], self._device) if self._needs_inputs else None
         if self.mesh.is_first:
-            x = to_device(micro_in[m], self._device)
+            x = inputs
         else:
             x = self.link.recv_activation(m)
             for leaf in _floating_leaves(x):  # their gradients go back to the stage before
                 leaf.requires_grad_(True)
         start = time.perf_counter()
         with self.memory.forward(m), self.precision.autocast(self._device):
-            y = self._run_stage(x, recompute=self.recompute)
+            y = self._run_stage(x, recompute=self.recompute, inputs=inputs)
             if self.mesh.is_last:
                 loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
                 loss_scale = self.precision.loss_factor()
@@ -520,11 +605,20 @@ class PipelineEngine(RecordsTimeline, Engine):
             duplicates=[grad for name, grad in held if name in aliases],
         )
 
-    def _run_stage(self, x: Any, *, recompute: bool) -> Any:
+    @property
+    def _needs_inputs(self) -> bool:
+        """Every stage of a model cut at split points runs its forward from the inputs."""
+        return self.mesh.is_first or self.named is not None
+
+    def _run_stage(self, x: Any, *, recompute: bool, inputs: Any = None) -> Any:
         """This stage's layers on ``x``: the first stage calls them as the whole model is
         called (a dict batch as keywords, a tuple as arguments; see ``inputs``); a later
         stage passes what it received as the one input, as ``nn.Sequential`` does between
-        layers. With ``recompute`` only the stage's input is kept for backward."""
+        layers. With ``recompute`` only the stage's input is kept for backward. A model cut
+        at split points runs its own forward on ``inputs`` (see ``stage_run``), the
+        received tensors taking the place of the split block's arguments."""
+        if self.named is not None:
+            return self.named.run(inputs, None if self.mesh.is_first else x)
         args, kwargs = as_arguments(x) if self.mesh.is_first else ((x,), {})
         if recompute:
             return checkpoint(self.module, *args, use_reentrant=False, **kwargs)

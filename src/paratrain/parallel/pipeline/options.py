@@ -21,6 +21,19 @@ def parse_balance(text: str | list[int]) -> list[int]:
         ) from None
 
 
+def parse_split_points(text: str | list[str]) -> list[str]:
+    """``"transformer.h.2,transformer.h.4"`` (command line, run file) as block names."""
+    if isinstance(text, list):
+        return [str(name) for name in text]
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise ValueError(
+            f"split_points must be comma-separated block names such as transformer.h.2, "
+            f"not {text!r}."
+        )
+    return names
+
+
 OPTIONS = (
     StrategyOption("stages", int, 2, "pipeline stages", minimum=1),
     StrategyOption(
@@ -29,6 +42,13 @@ OPTIONS = (
     StrategyOption("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
     StrategyOption("balance", str, None, "layers per stage, e.g. 2,3,3", parse=parse_balance),
     StrategyOption("balance_by", str, "params", "what stages balance by", choices=COST_CHOICES),
+    StrategyOption(
+        "split_points",
+        str,
+        None,
+        "blocks where stages start, e.g. transformer.h.2 (default: repeated blocks, balanced)",
+        parse=parse_split_points,
+    ),
     RECOMPUTE,
     BUCKET_MB,
 )

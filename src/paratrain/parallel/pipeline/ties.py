@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.parallel.layers import LayerSlice
 from paratrain.runtime import comm
 from paratrain.runtime.mesh import PipelineMesh
 
@@ -42,26 +41,30 @@ def _stage_of(bounds: list[tuple[int, int]], index: int) -> int:
     return next(s for s, (start, end) in enumerate(bounds) if start <= index < end)
 
 
-class CrossStageTies:
-    """The tied Parameters of a layer list that span stages, and this stage's share of them.
+def layer_list_stages(
+    layers: nn.Sequential, bounds: list[tuple[int, int]], prefix: str
+) -> list[tuple[str, nn.Parameter, int]]:
+    """(full-model name, Parameter, stage) of every parameter name of a cut layer list."""
+    return [
+        (f"{prefix}{index}.{name}", param, _stage_of(bounds, index))
+        for index, layer in enumerate(layers)
+        for name, param in layer.named_parameters(remove_duplicate=False)
+    ]
 
-    Built from the whole layer list before other stages' layers leave this worker; every
-    rank must build it (creating process groups is collective).
+
+class CrossStageTies:
+    """The tied Parameters that span stages, and this stage's share of them.
+
+    Built from every (full-model name, Parameter, stage) before other stages' modules leave
+    this worker; every rank must build it (creating process groups is collective).
     """
 
-    def __init__(
-        self,
-        layers: nn.Sequential,
-        bounds: list[tuple[int, int]],
-        mesh: PipelineMesh,
-        stage_slice: LayerSlice,
-    ) -> None:
+    def __init__(self, named: list[tuple[str, nn.Parameter, int]], mesh: PipelineMesh) -> None:
         stages_of: dict[int, set[int]] = {}
         names: dict[int, list[str]] = {}
-        for index, layer in enumerate(layers):
-            for name, param in layer.named_parameters(remove_duplicate=False):
-                stages_of.setdefault(id(param), set()).add(_stage_of(bounds, index))
-                names.setdefault(id(param), []).append(f"{stage_slice.prefix}{index}.{name}")
+        for name, param, stage in named:
+            stages_of.setdefault(id(param), set()).add(stage)
+            names.setdefault(id(param), []).append(name)
         # stage set -> full-model names (one per tied Parameter) held by this stage
         spans: dict[tuple[int, ...], list[str]] = {}
         for key, stages in stages_of.items():
@@ -78,16 +81,15 @@ class CrossStageTies:
                     self.groups.append((group, canonical))
         self.params: list[list[nn.Parameter]] = []
 
-    def attach(self, module: nn.Module, stage_slice: LayerSlice) -> None:
-        """Find this stage's copies in its module (after the other layers went to meta)."""
-        local = dict(module.named_parameters(remove_duplicate=False))
+    def attach(self, local: dict[str, nn.Parameter]) -> None:
+        """Find this stage's copies among its parameters, keyed by full-model name (after
+        the other stages' modules went to meta)."""
         by_canonical = {names[0]: names for names in self._names.values()}
         self.params = []
         for _, canonical in self.groups:
             params = []
             for name in canonical:
-                held = [stage_slice.local(n) for n in by_canonical[name]]
-                params.append(next(local[n] for n in held if n is not None and n in local))
+                params.append(next(local[n] for n in by_canonical[name] if n in local))
             self.params.append(params)
 
     def __bool__(self) -> bool:
