@@ -18,6 +18,7 @@ from paratrain.parallel import strategy_class, strategy_names
 from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
 from paratrain.report import format_bytes
 from paratrain.runtime.external_job import is_main_process
+from paratrain.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
 
@@ -169,9 +170,17 @@ def _train(args: argparse.Namespace) -> int:
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
     config = build_config(file_values, overrides)
     result = fit(config)
-    if is_main_process():  # under torchrun every rank gets here; one summary is enough
-        print(format_summary(result))
-    return 0
+    if not is_main_process():  # under torchrun every rank gets here; one summary is enough
+        return EXIT_PREEMPTED if result.preempted_at is not None else 0
+    print(format_summary(result))
+    if result.preempted_at is None:
+        return 0
+    print(
+        f"paratrain: stopped by SIGTERM after step {result.preempted_at}; checkpoint "
+        f"{result.checkpoint}. Resume with: paratrain train --resume {result.run_dir}",
+        file=sys.stderr,
+    )
+    return EXIT_PREEMPTED
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -228,8 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:
+        if error.terminated:
+            print(
+                "paratrain: stopped by SIGTERM before the workers could write a checkpoint.",
+                file=sys.stderr,
+            )
+            return EXIT_PREEMPTED
         print(f"paratrain: {_out_of_memory(error) or error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("paratrain: interrupted; every worker was stopped.", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 2
 
 

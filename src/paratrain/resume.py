@@ -74,7 +74,7 @@ def launch_with_restarts(
                 timeout_s=config.timeout,
             )
         except WorkerError as error:
-            if attempt >= config.max_restarts:
+            if attempt >= config.max_restarts or error.terminated:  # SIGTERM: no restart
                 raise
             attempt += 1
             resume_from = latest_checkpoint(run_dir)

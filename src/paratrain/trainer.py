@@ -57,6 +57,7 @@ from paratrain.run_length import RunLength, eval_batches, evaluates_at, run_leng
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.external_job import check_job_devices, is_main_process
+from paratrain.runtime.signals import TerminationNotice
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
 from paratrain.runtime.units import parse_size
 
@@ -91,6 +92,8 @@ class RunResult:
     final_accuracy: float | None = None
     """The last evaluation's accuracy (classification datasets)."""
     loss_scale: float = 1.0
+    preempted_at: int | None = None
+    """The step after which a SIGTERM stopped the run (its checkpoint is ``checkpoint``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -293,12 +296,18 @@ def fit(config: TrainConfig) -> RunResult:
         loss_scale=lead["loss_scale"],
         steps=length.steps,
         final_accuracy=lead["final_accuracy"],
+        preempted_at=lead["preempted_at"],
     )
     if strategy_class(config.strategy).independent_workers:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
     if config.strategy in lead:  # what the engine's run_metrics() returned
         result.extra[config.strategy] = lead[config.strategy]
-    if config.model == "gpt" and config.sample_chars and is_main_process():
+    if (
+        config.model == "gpt"
+        and config.sample_chars
+        and is_main_process()
+        and result.preempted_at is None
+    ):
         from paratrain.sampling import sample_text
 
         result.sample_text = sample_text(
@@ -409,6 +418,8 @@ def train_worker(
         config.lr_schedule != "constant" or config.warmup_steps > 0
     )
     train_tally = engine.tally(metric)  # every training prediction, until closed
+    notice = TerminationNotice()  # SIGTERM: finish this step, checkpoint, return
+    preempted_at = None
     for step, (inputs, targets) in enumerate(batches(train_loader, remaining), start=first):
         inject_fault(step, attempt)
         if scheduled:
@@ -468,13 +479,22 @@ def train_worker(
                 loss=f"{stats.loss:.4f}",
                 samples_s=f"{samples_per_s:.0f}",
             )
+        if step < length.steps and notice.agreed(
+            independent=engine.independent_workers, device=engine.device
+        ):
+            preempted_at = step
+            break
+    notice.close()
     train_tally.close()
     if bar is not None:
         bar.close()
     if isinstance(engine, RecordsTimeline):
         engine.write_timeline(run_dir, last_steps=_TIMELINE_STEPS)
     engine.finish_training()
-    checkpoint = Path(run_dir) / "final"
+    if preempted_at is None:
+        checkpoint = Path(run_dir) / "final"
+    else:  # where a periodic checkpoint goes, so --resume finds it as the newest
+        checkpoint = Path(run_dir) / "checkpoints" / f"step-{preempted_at:08d}"
     engine.save_checkpoint(checkpoint, metadata=checkpoint_metadata(config, train_loader))
     write_memory(engine, metrics)
     total = time.perf_counter() - timed_from
@@ -493,6 +513,7 @@ def train_worker(
         "skipped_steps": stats.skipped_steps,
         "loss_scale": stats.loss_scale,
         "checkpoint": str(checkpoint),
+        "preempted_at": preempted_at,
         "metrics": str(Path(run_dir) / "metrics.jsonl"),
         **({engine.name: strategy_metrics} if strategy_metrics is not None else {}),
     }

@@ -35,6 +35,7 @@ from paratrain.runtime.external_job import (
     run_in_external_job,
 )
 from paratrain.runtime.hang import STORE_ENV
+from paratrain.runtime.signals import forwarding_termination, ignore_interrupts
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("auto", "gloo", "nccl")
@@ -49,6 +50,7 @@ class WorkerError(RuntimeError):
         self.rank = rank
         self.details = details
         self.failures = failures or {rank: details}
+        self.terminated = False  # True where the run had been sent SIGTERM (see signals)
         super().__init__(f"worker {rank} failed:\n{details}")
 
 
@@ -159,11 +161,19 @@ def launch(
         for rank in range(devices)
     ]
     try:
-        for process in processes:
-            process.start()
-        results = _collect(processes, results_queue, devices, store)
+        with forwarding_termination(processes) as terminated:
+            for process in processes:
+                process.start()
+            try:
+                results = _collect(processes, results_queue, devices, store)
+            except WorkerError as error:
+                error.terminated = terminated[0]  # died of a forwarded SIGTERM, perhaps
+                raise
         _join_all(processes, timeout_s=10.0)
         return results
+    except KeyboardInterrupt:
+        _stop_all(processes, grace_s=0.0)  # Ctrl-C: stop now, no checkpoint (see signals)
+        raise
     finally:
         _stop_all(processes)
         results_queue.close()
@@ -277,6 +287,7 @@ def _die_with_parent() -> None:
 
 def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) -> None:
     _die_with_parent()
+    ignore_interrupts()
     os.environ.update(
         {
             CHILD_FLAG: "1",
