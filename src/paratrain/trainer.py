@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from paratrain.checkpoint import read_manifest
+from paratrain.checkpoint import Checkpoint
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import DatasetBundle, GlobalBatchLoader, batches, build_dataset
 from paratrain.lr_schedule import lr_factor, set_learning_rate
@@ -31,13 +31,16 @@ from paratrain.parallel.fit_advice import advice
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.report import MetricsWriter, format_bytes
 from paratrain.resume import (
+    check_resumable,
     checkpoint_metadata,
-    find_checkpoint,
     inject_fault,
     launch_with_restarts,
     prune,
+    resume_line,
     run_dir_of,
+    settle_failed_run,
 )
+from paratrain.run_checkpoints import find_checkpoint
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
@@ -70,6 +73,8 @@ class RunResult:
     skipped_steps: int = 0
     """Steps skipped because fp16 gradients overflowed."""
     loss_scale: float = 1.0
+    resumed: str | None = None
+    """Where a resumed run came from (``resume_line``); None for a fresh run."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -223,17 +228,25 @@ def fit(config: TrainConfig) -> RunResult:
     validate(config, bundle)
     check_memory(config, bundle, devices)
     resume_from = find_checkpoint(config.resume) if config.resume else None
-    saved_step = read_manifest(resume_from).get("step", 0) if resume_from else 0
-    if saved_step >= config.steps:
-        raise ConfigError(
-            f"{resume_from} is already at step {saved_step}; "
-            "pass --steps above that to train further."
-        )
+    resumed = None
+    if resume_from:
+        # verified here (every checksum), so a damaged file is refused in one sentence
+        # before any worker starts or any run folder is made
+        checkpoint = Checkpoint(resume_from)
+        check_resumable(checkpoint, config, run_spec(config, devices, bundle).build_model())
+        resumed = resume_line(checkpoint, config, devices)
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is None:
-        run_dir = run_dir_of(resume_from) if resume_from else default_run_dir(config)
+        run_dir = (run_dir_of(resume_from) if resume_from else None) or default_run_dir(config)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
+    if resumed:
+        print(f"paratrain: resuming {resumed}", file=sys.stderr)
+    try:
+        reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
+    except BaseException as error:
+        settle_failed_run(run_dir, error, created=created)
+        raise
     if isinstance(reports, dict):  # inside torchrun: this rank's report only
         reports = [reports]
     lost = {r.rank: r.reason for r in reports if isinstance(r, LostWorker)}
@@ -255,6 +268,7 @@ def fit(config: TrainConfig) -> RunResult:
         memory=[r["memory"] for r in reports],
         skipped_steps=lead["skipped_steps"],
         loss_scale=lead["loss_scale"],
+        resumed=resumed,
     )
     if strategy_class(config.strategy).independent_workers:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
@@ -354,7 +368,8 @@ def train_worker(
     first = 1
     if resume_from:
         checkpoint = engine.load_checkpoint(resume_from)
-        train_loader.load_state_dict(checkpoint.metadata["data"])
+        if "data" in checkpoint.metadata:  # an imported checkpoint starts the data afresh
+            train_loader.load_state_dict(checkpoint.metadata["data"])
         first = engine.steps_taken + 1
     metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl") if lead else None
     if metrics:
