@@ -17,6 +17,7 @@ import paratrain
 from paratrain.checkpoint import Checkpoint, CheckpointError, save_model_state
 from paratrain.cli import main
 from paratrain.models import build_model
+from paratrain.parallel.ties import tied_names
 
 MLP_FLAGS = ["--model", "mlp", "--dataset", "synthetic", "--hidden", "16", "--depth", "1"]
 
@@ -172,3 +173,31 @@ def test_an_imported_checkpoint_resumes_under_any_strategy(tmp_path, capsys, str
     assert f"resuming from {out} at step 0 (imported from {path}" in capsys.readouterr().err
     trained = Checkpoint(tmp_path / "run" / "final").model_state()
     assert max((trained[k] - source[k]).abs().max().item() for k in source) < 1e-6
+
+
+def test_a_tied_name_the_file_stores_once_is_filled_in(tmp_path):
+    """safetensors (and Hugging Face) files keep a shared tensor under one name only."""
+    torch.manual_seed(0)
+    options = dict(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    model = build_model("gpt", **options, tie_embeddings=True)
+    state = model.state_dict()
+    aliases = tied_names(model)
+    assert aliases  # the head's weight is the token embedding's
+    path = tmp_path / "tied.safetensors"
+    save_file({k: v.clone() for k, v in state.items() if k not in aliases}, str(path))
+    fresh = build_model("gpt", **options, tie_embeddings=True)
+    fresh.load_state_dict(paratrain.load_model_state(path, model=fresh), strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], state[k]) for k in state)
+
+
+def test_importing_a_paratrain_checkpoint_takes_its_model_settings(tmp_path, capsys):
+    """The way to continue a run's weights with a fresh optimizer (another --lr)."""
+    config = {"model": "mlp", "dataset": "synthetic", "hidden": 16, "depth": 1, "lr": 0.01}
+    run = save_model_state(
+        tmp_path / "run" / "final", mlp().state_dict(), metadata={"config": config}
+    )
+    assert main(["ckpt", "import", str(tmp_path / "run"), str(tmp_path / "fresh")]) == 0
+    capsys.readouterr()
+    saved = Checkpoint(tmp_path / "fresh").metadata
+    assert saved["config"]["hidden"] == 16 and "lr" not in saved["config"]
+    assert saved["imported_from"] == str(tmp_path / "run") and run.exists()

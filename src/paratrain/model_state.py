@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from paratrain.checkpoint import MANIFEST, Checkpoint, CheckpointError
+from paratrain.parallel.ties import tied_names
 from paratrain.run_checkpoints import latest_checkpoint
 
 STATE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -54,7 +55,7 @@ def load_model_state(
     if model is None:
         return state
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    return fit_to(state, expected, source=str(path))
+    return fit_to(state, expected, source=str(path), ties=tied_names(model))
 
 
 def read_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -131,10 +132,16 @@ def strip_wrappers(name: str) -> str:
 
 
 def fit_to(
-    state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], *, source: str
+    state: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    *,
+    source: str,
+    ties: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``state`` renamed to ``expected``'s names (wrappers stripped where that is what makes
-    them match), or ``CheckpointError`` naming what does not fit."""
+    them match), or ``CheckpointError`` naming what does not fit. A name the model ties to
+    another (``ties``: alias -> canonical) that the file stores once is filled in, as files
+    that drop shared tensors (safetensors, Hugging Face's) store it."""
     if set(state) != set(expected):
         stripped = {strip_wrappers(name): tensor for name, tensor in state.items()}
         # stripped only where that is a renaming (no two names become one) that fits better
@@ -142,6 +149,9 @@ def fit_to(
             set(state) & set(expected)
         ):
             state = stripped
+    for alias, canonical in (ties or {}).items():
+        if alias not in state and canonical in state:
+            state = {**state, alias: state[canonical]}
     problem = mismatch({name: tuple(t.shape) for name, t in state.items()}, expected, source=source)
     if problem:
         raise CheckpointError(problem)
