@@ -5,7 +5,8 @@ results = paratrain.launch(worker, devices=4)
 """
 
 from paratrain.api import setup
-from paratrain.checkpoint import CheckpointError, load_model_state
+from paratrain.checkpoint import CheckpointError
+from paratrain.model_state import load_model_state
 from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
 from paratrain.runtime import WorkerError, is_main_process, launch
 from paratrain.runtime.ledger import DeviceOutOfMemory

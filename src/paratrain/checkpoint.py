@@ -37,6 +37,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from paratrain.file_modes import match_umask
+
 FORMAT_NAME = "paratrain-checkpoint"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -69,6 +71,7 @@ def write_shard(folder: Path, kind: str, rank: int, tensors: dict[str, torch.Ten
     """Write one shard file; returns its manifest entry (sha256 and size)."""
     path = folder / shard_name(kind, rank)
     save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path))
+    match_umask(path)  # save_file creates 0600 files whatever the umask
     return {"sha256": file_sha256(path), "bytes": path.stat().st_size, "kind": kind}
 
 
@@ -225,6 +228,15 @@ class Checkpoint:
         if file is None:
             raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
         return self._handles[file].get_tensor(name)
+
+    def shape(self, kind: str, name: str) -> tuple[int, ...]:
+        """A tensor's shape, read from the file's header without loading the tensor."""
+        if kind == "model":
+            name = self.aliases.get(name, name)
+        file = self._index[kind].get(name)
+        if file is None:
+            raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
+        return tuple(self._handles[file].get_slice(name).get_shape())
 
     def tensors(
         self, kind: str, names: list[str] | None = None

@@ -11,11 +11,12 @@ from safetensors.torch import save_file
 
 from paratrain.checkpoint import Checkpoint
 from paratrain.config import ConfigError
+from paratrain.file_modes import match_umask
 from paratrain.report import format_bytes
 
 
 def _open(path: str) -> Checkpoint:
-    from paratrain.resume import find_checkpoint
+    from paratrain.run_checkpoints import find_checkpoint
 
     return Checkpoint(find_checkpoint(path))
 
@@ -72,6 +73,7 @@ def export_command(args: argparse.Namespace) -> int:
         # is still a complete state dict for load_state_dict(strict=True)
         copies = {name: state[name].clone() for name in checkpoint.aliases}
         save_file({**state, **copies}, str(out))
+        match_umask(out)  # save_file creates 0600 files whatever the umask
         if copies:
             note = f" ({len(copies)} tied name(s) written as copies: {', '.join(copies)})"
     elif out.suffix in (".pt", ".pth"):

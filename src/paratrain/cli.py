@@ -18,18 +18,21 @@ from paratrain.parallel import strategy_class, strategy_names
 from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
 from paratrain.report import format_bytes
 from paratrain.runtime.external_job import is_main_process
-from paratrain.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
+from paratrain.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """A flag per TrainConfig field; the strategies' own options in a group of their own."""
+def _add_config_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    """A flag per TrainConfig field (or per field named in ``only``); the strategies' own
+    options in a group of their own."""
     kinds = field_types()
     strategy_group = parser.add_argument_group(
         "strategy options", "each applies to the strategies named in its help"
     )
     for item in fields(TrainConfig):
+        if only is not None and item.name not in only:
+            continue
         target = strategy_group if item.metadata.get("strategies") else parser
         flag = "--" + item.name.replace("_", "-")
         help_text = flag_help(item, is_bool=kinds[item.name] is bool)
@@ -90,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
     export.add_argument("out", help="output file, e.g. model.safetensors or model.pt")
+    imported = ckpt_commands.add_parser(
+        "import",
+        help="make a paratrain checkpoint of weights saved elsewhere (model only), to --resume",
+    )
+    imported.add_argument(
+        "source", help="a .pt/.pth/.bin state dict, a .safetensors file, or a checkpoint folder"
+    )
+    imported.add_argument("out", help="the checkpoint folder to write")
+    from paratrain.checkpoint_import import IMPORT_FIELDS
+
+    _add_config_flags(imported, only=IMPORT_FIELDS)
     return parser
 
 
@@ -135,6 +149,8 @@ def format_summary(result) -> str:
         + f", global batch {config.global_batch}",
         f"  final train loss  {result.final_train_loss:.4f}",
     ]
+    if result.resumed:
+        lines.insert(1, f"  resumed {result.resumed}")
     if result.final_eval_loss is not None:
         lines.append(f"  final eval loss   {result.final_eval_loss:.4f}")
     if result.final_accuracy is not None:
@@ -164,11 +180,15 @@ def format_summary(result) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from paratrain.resume_config import resume_config
     from paratrain.trainer import fit
 
     file_values = load_toml(args.config) if args.config else {}
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
-    config = build_config(file_values, overrides)
+    if overrides.get("resume") is None and file_values.get("resume") is None:
+        config = build_config(file_values, overrides)
+    else:  # the checkpoint's settings, then what the user may change
+        config = resume_config(file_values, overrides, config_file=args.config)
     result = fit(config)
     if not is_main_process():  # under torchrun every rank gets here; one summary is enough
         return EXIT_PREEMPTED if result.preempted_at is not None else 0
@@ -231,8 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
         if args.command == "ckpt":
             from paratrain.checkpoint_cli import export_command, inspect_command
+            from paratrain.checkpoint_import import import_command
 
-            return (inspect_command if args.ckpt_command == "inspect" else export_command)(args)
+            commands = {
+                "inspect": inspect_command,
+                "export": export_command,
+                "import": import_command,
+            }
+            return commands[args.ckpt_command](args)
     except (ConfigError, CheckpointError) as error:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return 2

@@ -63,6 +63,7 @@ def summarize_metrics(path: str | Path) -> str:
     if train and train[-1].get("skipped_steps"):
         lines.append(f"  skipped steps       {train[-1]['skipped_steps']} (fp16 overflow)")
     lines += [_memory_line(r) for r in records if r["kind"] == "memory"]
+    lines += [f"  failed              {r['error']}" for r in records if r["kind"] == "failed"]
     return "\n".join(lines)
 
 

@@ -14,43 +14,89 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import paratrain
-from paratrain.checkpoint import MANIFEST, read_manifest
+from paratrain.checkpoint import Checkpoint
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import GlobalBatchLoader
+from paratrain.model_state import mismatch
+from paratrain.report import MetricsWriter, read_metrics
+from paratrain.run_checkpoints import find_checkpoint as find_checkpoint  # its old home
+from paratrain.run_checkpoints import latest_checkpoint
 from paratrain.runtime import comm
 from paratrain.runtime.launch import WorkerError
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint to resume from: ``path`` itself, or the newest one in a run folder."""
-    path = Path(path)
-    if (path / MANIFEST).exists():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
+def check_resumable(checkpoint: Checkpoint, config: TrainConfig, model: torch.nn.Module) -> None:
+    """Refuse, before any worker starts, a resume the workers could not carry out: a model
+    whose names or shapes differ from the checkpoint's (``model`` may be on the meta
+    device), or ``--steps`` the checkpoint has already reached."""
+    found = {name: checkpoint.shape("model", name) for name in checkpoint.names("model")}
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problem = mismatch(found, expected, source=f"checkpoint {checkpoint.directory}")
+    if problem:
         raise ConfigError(
-            f"{path} holds no checkpoint (no manifest.json, no checkpoints/step-*, no final/); "
-            "pass a run folder written with --checkpoint-every or a checkpoint folder."
+            problem[:-1] + "; resume with the model settings it was saved with (drop the "
+            "model flags where its config was saved with it)."
         )
-    return latest
+    if checkpoint.step >= config.steps:
+        raise ConfigError(
+            f"{checkpoint.directory} is already at step {checkpoint.step}; "
+            "pass --steps above that to train further."
+        )
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run: periodic ones, then the final one."""
-    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
-    if (run_dir / "final" / MANIFEST).exists():
-        candidates.append(run_dir / "final")
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: read_manifest(p).get("step", 0))
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run folder a checkpoint belongs to (``RUN/final`` or ``RUN/checkpoints/step-N``)."""
+def resume_line(checkpoint: Checkpoint, config: TrainConfig, devices: int) -> str:
+    """What the console says of a resume ("resuming ...", then "resumed ..." in the
+    summary): from where, at which step, saved under which layout and now under which."""
+    layout = checkpoint.manifest.get("layout", {})
+    saved = f"{layout.get('strategy', '?')} on {layout.get('world_size', '?')} worker(s)"
+    imported = checkpoint.metadata.get("imported_from")
+    origin = f"imported from {imported}, optimizer fresh" if imported else f"saved under {saved}"
     return (
-        checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+        f"from {checkpoint.directory} at step {checkpoint.step} ({origin}; now "
+        f"{config.strategy} on {devices} worker(s))"
     )
+
+
+def settle_failed_run(run_dir: Path, error: BaseException, *, created: bool) -> None:
+    """After a failed launch: remove the run folder this launch made if it holds nothing
+    worth keeping (no checkpoint, no logged step), else mark the failure in its metrics
+    file, so no folder is left that looks like a run but says nothing."""
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        logged = metrics.exists() and any(
+            record.get("kind") in ("train", "eval") for record in read_metrics(metrics)
+        )
+    except ValueError:  # a line cut short by the failure: something was written, keep it
+        logged = True
+    if created and not logged and latest_checkpoint(run_dir) is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    writer = MetricsWriter(metrics)
+    writer.write("failed", error=failure_sentence(error))
+    writer.close()
+
+
+def failure_sentence(error: BaseException) -> str:
+    """One line for the metrics file: which worker failed and its exception's last line."""
+    if isinstance(error, WorkerError):
+        lines = [line for line in error.details.strip().splitlines() if line.strip()]
+        return f"worker {error.rank} failed: {lines[-1].strip() if lines else 'no details'}"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run folder a checkpoint belongs to (``RUN/final`` or ``RUN/checkpoints/step-N``);
+    None for a checkpoint of no run (``ckpt import``'s, a user's own folder), whose parent
+    folder is no place for a run's outputs."""
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent
+    return checkpoint.parent if checkpoint.name == "final" else None
 
 
 def launch_with_restarts(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from paratrain.checkpoint import read_manifest
+from paratrain.checkpoint import Checkpoint
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import (
     ChecksumError,
@@ -46,19 +46,22 @@ from paratrain.preflight import (
 )
 from paratrain.report import MetricsWriter, format_bytes
 from paratrain.resume import (
+    check_resumable,
     checkpoint_metadata,
-    find_checkpoint,
     inject_fault,
     launch_with_restarts,
     prune,
+    resume_line,
     run_dir_of,
+    settle_failed_run,
 )
+from paratrain.run_checkpoints import find_checkpoint
 from paratrain.run_length import RunLength, eval_batches, evaluates_at, run_length
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.external_job import check_job_devices, is_main_process
-from paratrain.runtime.signals import TerminationNotice
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
+from paratrain.runtime.signals import TerminationNotice
 from paratrain.runtime.units import parse_size
 
 _TOKEN_MODELS = ("gpt",)
@@ -94,6 +97,8 @@ class RunResult:
     loss_scale: float = 1.0
     preempted_at: int | None = None
     """The step after which a SIGTERM stopped the run (its checkpoint is ``checkpoint``)."""
+    resumed: str | None = None
+    """Where a resumed run came from (``resume_line``); None for a fresh run."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -261,18 +266,32 @@ def fit(config: TrainConfig) -> RunResult:
     check_memory(config, bundle, devices)
     length = run_length(config, len(bundle.train))
     resume_from = find_checkpoint(config.resume) if config.resume else None
-    saved_step = read_manifest(resume_from).get("step", 0) if resume_from else 0
-    if saved_step >= length.steps:
-        more = "--steps" if length.epochs is None else "--epochs"
-        raise ConfigError(
-            f"{resume_from} is already at step {saved_step} of {length.steps}; "
-            f"pass {more} above that to train further."
-        )
+    resumed = None
+    if resume_from:
+        # verified here (every checksum), so a damaged file is refused in one sentence
+        # before any worker starts or any run folder is made
+        checkpoint = Checkpoint(resume_from)
+        check_resumable(checkpoint, config, run_spec(config, devices, bundle).build_model())
+        resumed = resume_line(checkpoint, config, devices)
+        saved_step = checkpoint.step
+        if saved_step >= length.steps:
+            more = "--steps" if length.epochs is None else "--epochs"
+            raise ConfigError(
+                f"{resume_from} is already at step {saved_step} of {length.steps}; "
+                f"pass {more} above that to train further."
+            )
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is None:
-        run_dir = run_dir_of(resume_from) if resume_from else default_run_dir(config)
+        run_dir = (run_dir_of(resume_from) if resume_from else None) or default_run_dir(config)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
+    if resumed and is_main_process():
+        print(f"paratrain: resuming {resumed}", file=sys.stderr)
+    try:
+        reports = launch_with_restarts(train_worker, config, devices, run_dir, resume_from)
+    except BaseException as error:
+        settle_failed_run(run_dir, error, created=created)
+        raise
     # Inside torchrun, ranks other than 0 get their own report only (see external_job).
     reports = [r for r in reports if r is not None]
     lost = {r.rank: r.reason for r in reports if isinstance(r, LostWorker)}
@@ -297,6 +316,7 @@ def fit(config: TrainConfig) -> RunResult:
         steps=length.steps,
         final_accuracy=lead["final_accuracy"],
         preempted_at=lead["preempted_at"],
+        resumed=resumed,
     )
     if strategy_class(config.strategy).independent_workers:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
@@ -400,7 +420,8 @@ def train_worker(
     first = 1
     if resume_from:
         checkpoint = engine.load_checkpoint(resume_from)
-        train_loader.load_state_dict(checkpoint.metadata["data"])
+        if "data" in checkpoint.metadata:  # an imported checkpoint starts the data afresh
+            train_loader.load_state_dict(checkpoint.metadata["data"])
         first = engine.steps_taken + 1
     metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl") if lead else None
     if metrics:

@@ -1,0 +1,37 @@
+"""Which checkpoint a path means: a checkpoint folder itself, or a run folder's newest.
+
+Apart from ``resume.py`` (which starts workers) so that reading a model's weights
+(``paratrain.load_model_state``) can find a run's newest checkpoint without importing the
+launcher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paratrain.checkpoint import MANIFEST, read_manifest
+from paratrain.config import ConfigError
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint to resume from: ``path`` itself, or the newest one in a run folder."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(
+            f"{path} holds no checkpoint (no manifest.json, no checkpoints/step-*, no final/); "
+            "pass a run folder written with --checkpoint-every or a checkpoint folder."
+        )
+    return latest
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run: periodic ones, then the final one."""
+    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
+    if (run_dir / "final" / MANIFEST).exists():
+        candidates.append(run_dir / "final")
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: read_manifest(p).get("step", 0))
