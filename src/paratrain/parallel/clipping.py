@@ -3,9 +3,11 @@
 The norm is over the whole model's gradient, whichever worker holds which part of it:
 replicas hold equal copies (dp: the local norm is the global one), ZeRO ranks hold slices
 (their squared norms add up over the replicas), pipeline stages hold their layers (squared
-norms add up over the stages of a replica; a weight tied across stages counts once). Every
-worker then multiplies its gradients by ``min(1, max_norm / (norm + 1e-6))``, the factor
-torch uses, and ``StepStats.grad_norm`` reports the norm before clipping.
+norms add up over the stages of a replica; a weight tied across stages counts once), ps
+servers hold shards of a round's mean gradient (their squared norms add up over the
+servers: ``ps/clipping.py``). Every worker then multiplies its gradients by
+``min(1, max_norm / (norm + 1e-6))``, the factor torch uses, and ``StepStats.grad_norm``
+reports the norm before clipping.
 """
 
 from __future__ import annotations

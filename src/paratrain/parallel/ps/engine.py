@@ -35,6 +35,12 @@ a gradient that will not come. How a round averages then is in ``server.py`` (ov
 pushes that carried gradients). ``StepStats.skipped_steps`` and ``loss_scale`` are this
 worker's; ``ps_metrics()["skipped_pushes"]`` counts every worker's.
 
+Clipping (``max_grad_norm``): a synchronous round's mean gradient is clipped by its global
+norm, which the servers add up from their shards' squared norms, as ``clip_grad_norm_`` on
+one device; under asynchrony each push, a step of its own, is clipped by its worker by its
+own norm; with backup workers clipping is refused. ``StepStats.grad_norm`` is the round's
+norm before clipping, or under asynchrony this worker's push's. See ``clipping``.
+
 The engine never uses the job's default process group, so a worker that dies hangs
 nobody: the servers retire it and, with ``paratrain.launch``, the run goes on without it.
 Under torchrun there is no launch store and nobody to tolerate a lost worker, so the

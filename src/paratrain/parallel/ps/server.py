@@ -49,6 +49,11 @@ closed and returns at once) to the end of its push: no worker waits longer than 
 round already made it. With backup workers the reply does not wait: a version's
 gradient is then not one global batch's (late shares fold into the next version), and
 waiting for the slow shares is what backup workers are there to avoid.
+
+Clipping a plain synchronous round (``max_grad_norm``): once its mean gradient is formed,
+the server sends the square norm of its shard to every other server, receives theirs, and
+scales its shard by torch's coefficient of the total before stepping; the reply to the
+round's pushes carries the norm before clipping. See ``clipping``.
 """
 
 from __future__ import annotations
