@@ -1,6 +1,6 @@
 """Gradient clipping by the global norm under every engine equals
 ``torch.nn.utils.clip_grad_norm_`` in the plain loop: replicas, ZeRO slices, pipeline
-stages (a tied weight counted once); ps refuses it."""
+stages (a tied weight counted once). ps: tests/test_ps_clipping.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import paratrain
 from paratrain.config import TrainConfig
 from paratrain.models import loss_for
-from paratrain.trainer import ConfigError, validate
+from paratrain.trainer import ConfigError
 from tests import clip_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
@@ -70,12 +70,6 @@ def test_every_engine_clips_by_the_global_norm():
     hybrid = [("pipeline", "gpt", "sgd", {"stages": 2, "micro_batches": 2})]
     results = paratrain.launch(clip_workers.train_all, devices=4, args=(hybrid,))
     check(results[0][0], references[("gpt", "sgd")], "2 x 2 pipeline")
-
-
-def test_ps_refuses_clipping_before_workers_start():
-    config = TrainConfig(model="mlp", strategy="ps", devices=2, max_grad_norm=1.0)
-    with pytest.raises(ConfigError, match="cannot clip by the global gradient norm"):
-        validate(config)
 
 
 def test_the_command_line_passes_the_bound_to_the_engine():

@@ -3,9 +3,11 @@
 The norm is over the whole model's gradient, whichever worker holds which part of it:
 replicas hold equal copies (dp: the local norm is the global one), ZeRO ranks hold slices
 (their squared norms add up over the replicas), pipeline stages hold their layers (squared
-norms add up over the stages of a replica; a weight tied across stages counts once). Every
-worker then multiplies its gradients by ``min(1, max_norm / (norm + 1e-6))``, the factor
-torch uses, and ``StepStats.grad_norm`` reports the norm before clipping.
+norms add up over the stages of a replica; a weight tied across stages counts once), ps
+servers hold shards of a round's mean gradient (their squared norms add up over the
+servers: ``ps/clipping.py``). Every worker then multiplies its gradients by
+``min(1, max_norm / (norm + 1e-6))``, the factor torch uses, and ``StepStats.grad_norm``
+reports the norm before clipping.
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ def check_max_grad_norm(value: float | None) -> float | None:
     return None if value is None else _positive(value)
 
 
+def squared_norm(grads: Iterable[torch.Tensor], *, device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every entry of ``grads``, in float64 (a 0-dim tensor on
+    ``device``): parts of one gradient held in different places add up to its square
+    norm, with float64 keeping the order of the addition out of the float32 result."""
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        squares += torch.linalg.vector_norm(grad.double()) ** 2
+    return squares
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, as ``clip_grad_norm_`` computes it (the
+    1e-6 and the clamp are torch's)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
 def clip_local(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
     """Every gradient is here (one device, or a replica after the all-reduce): torch's own."""
     grads = [p for p in parameters if p.grad is not None]
@@ -49,13 +67,11 @@ def clip_distributed(
     times (pipeline replicas); returns the global norm, the gradients clipped in place.
     ``duplicates`` (second copies of a tied weight) are clipped by the same factor, to the
     bit, without counting in the norm."""
-    squares = torch.zeros(1, dtype=torch.float64, device=device)
-    for grad in grads:
-        squares += torch.linalg.vector_norm(grad.double()) ** 2
+    squares = squared_norm(grads, device=device).reshape(1)
     if comm.distributed():
         comm.all_reduce_sum(squares, group=group)
     total = torch.sqrt(squares[0] / copies).float()
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coefficient = clip_coefficient(total, max_norm)
     scaled = [*grads, *(duplicates or [])]
     if scaled:
         torch._foreach_mul_(scaled, coefficient.to(scaled[0].device))

@@ -35,6 +35,12 @@ a gradient that will not come. How a round averages then is in ``server.py`` (ov
 pushes that carried gradients). ``StepStats.skipped_steps`` and ``loss_scale`` are this
 worker's; ``ps_metrics()["skipped_pushes"]`` counts every worker's.
 
+Clipping (``max_grad_norm``): a synchronous round's mean gradient is clipped by its global
+norm, which the servers add up from their shards' squared norms, as ``clip_grad_norm_`` on
+one device; under asynchrony each push, a step of its own, is clipped by its worker by its
+own norm; with backup workers clipping is refused. ``StepStats.grad_norm`` is the round's
+norm before clipping, or under asynchrony this worker's push's. See ``clipping``.
+
 The engine never uses the job's default process group, so a worker that dies hangs
 nobody: the servers retire it and, with ``paratrain.launch``, the run goes on without it.
 Under torchrun there is no launch store and nobody to tolerate a lost worker, so the
@@ -57,6 +63,7 @@ from paratrain.parallel.batching import (
     take_share,
     to_device,
 )
+from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
 from paratrain.parallel.options import RunSpec
@@ -65,9 +72,10 @@ from paratrain.parallel.ps import jobkeys, spawn
 from paratrain.parallel.ps.backup import check_backup_workers
 from paratrain.parallel.ps.checkpointing import ServerCheckpoints
 from paratrain.parallel.ps.client import ServerLink
+from paratrain.parallel.ps.clipping import check_clipping
 from paratrain.parallel.ps.optimizer_spec import describe_optimizer
 from paratrain.parallel.ps.options import OPTIONS
-from paratrain.parallel.ps.protocol import ROUND_LOSS_FIELD, Op, ShardLayout
+from paratrain.parallel.ps.protocol import GRAD_NORM_FIELD, ROUND_LOSS_FIELD, Op, ShardLayout
 from paratrain.parallel.ps.sharding import ParamSpec, assign_shards, check_servers
 from paratrain.parallel.ps.shared_memory import SharedRegion, resolve_transport
 from paratrain.parallel.ps.stale_lr import check_policy
@@ -103,16 +111,6 @@ def check_straggler(straggler: object, workers: int) -> dict[str, Any] | None:
     if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1:
         raise ValueError(f"straggler slowdown must be a number >= 1, not {slowdown!r}.")
     return {"rank": rank, "slowdown": float(slowdown)}
-
-
-def check_no_clipping(max_grad_norm: float | None) -> None:
-    """ps servers each hold a shard of the averaged gradient and never meet, so none of
-    them can know the global norm to clip by."""
-    if max_grad_norm is not None:
-        raise ValueError(
-            "strategy 'ps' cannot clip by the global gradient norm (each server holds a "
-            "shard of the gradient); drop max_grad_norm, or use strategy 'dp' or 'zero2'."
-        )
 
 
 def require_launch() -> None:
@@ -175,7 +173,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             run.options.get("backup_workers", 0), run.options.get("staleness", 0), run.devices
         )
         resolve_transport(run.options.get("transport", "auto"))
-        check_no_clipping(run.max_grad_norm)
+        check_clipping(run.max_grad_norm, run.options.get("backup_workers", 0))
         super().check_run(run)
 
     @classmethod
@@ -246,7 +244,6 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_launch()
-        check_no_clipping(max_grad_norm)
         self.staleness = check_bound(staleness)
         self.staleness_lr = check_policy(staleness_lr)
         if not isinstance(lookahead, bool):
@@ -265,6 +262,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         self.straggler = check_straggler(straggler, self._workers)
         self._last_compute_s: float | None = None  # the straggler's sleep is scaled from it
         self.backup_workers = check_backup_workers(backup_workers, self.staleness, self._workers)
+        check_clipping(self.max_grad_norm, self.backup_workers)
         shards = assign_shards(specs, self.servers)
         self._layouts = [ShardLayout(shard) for shard in shards]
         by_name = dict(self._params)
@@ -286,6 +284,9 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
                 "staleness_lr": self.staleness_lr,
                 "backup_workers": self.backup_workers,
                 "lookahead": self.lookahead,
+                # Synchronous rounds are clipped by the servers; pushes under asynchrony
+                # by their workers (see ``clipping``).
+                "max_grad_norm": self.max_grad_norm if self.staleness == 0 else None,
                 "shards": [[s.to_json() for s in shard] for shard in shards],
                 "optimizer": describe_optimizer(optimizer, self.model),
             }
@@ -363,6 +364,9 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         # skips the vote): no ps worker may wait on another, and it pushes only its own.
         grads = (param.grad for _, param in self._params)
         carries = self.precision.unscale_and_check(grads, synchronized=True)
+        if carries and self.max_grad_norm is not None and self.staleness != 0:
+            # Each asynchronous push is a step of its own: clipped here, by its own norm.
+            self._grad_norm = clip_local(self.model.parameters(), self.max_grad_norm)
         compute_s = time.perf_counter() - started
         if self._last_compute_s is None:  # the first step: no earlier compute to go by
             self._straggle(compute_s)
@@ -407,7 +411,8 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         """Push this step's gradients; ``skipped``: the header alone, carrying none.
 
         Returns the step's loss: in a plain synchronous round the global batch's, which
-        the reply brings once the round closed; otherwise ``share_loss``, this share's."""
+        the reply brings once the round closed (with the round's gradient norm before
+        clipping, where the servers clip); otherwise ``share_loss``, this share's."""
         has_grad = self._buffers.has_grad()
         replies = self.link.request(
             Op.PUSH,
@@ -421,6 +426,9 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         )
         self.server_samples = int(replies[0][0][2])
         if self.staleness == 0 and not self.backup_workers:
+            norm = float(replies[0][0][GRAD_NORM_FIELD])
+            if self.max_grad_norm is not None and norm == norm:  # NaN: no gradient, no step
+                self._grad_norm = norm
             return float(replies[0][0][ROUND_LOSS_FIELD])
         return share_loss
 

@@ -16,8 +16,10 @@ synchronous round waits for a gradient that will never come; what a server then 
 it is in ``server.py``.
 Every reply is a float64 header (status, version, samples applied, JSON length, and on
 the reply to a push in a plain synchronous round the round's mean loss over the global
-batch) and the same kinds of payload. float64 holds integers exactly up to 2**53, far
-beyond any count.
+batch and, where the run clips, the round's global gradient norm before clipping) and the
+same kinds of payload. The one message between servers is a round's square norm of a
+shard, when a synchronous run clips (``NORM_TAG``, see ``clipping.py``). float64 holds
+integers exactly up to 2**53, far beyond any count.
 
 With the shared-memory transport (see ``shared_memory.py``) a push's gradient and a pull's
 parameters lie in regions both sides map instead of following the header; the headers
@@ -40,12 +42,14 @@ import torch
 from paratrain.parallel.ps.sharding import ParamSpec
 
 REQUEST_TAG, REQUEST_DATA_TAG, REPLY_TAG, REPLY_DATA_TAG = 11, 12, 13, 14
+NORM_TAG = 15  # server to server: a round's square norm of a shard (see ps/clipping.py)
 REQUEST_FIELDS = 9
 LOOKAHEAD_FIELD = 4  # in a request header: 1.0 when a pull is for a step (see lookahead)
 SKIPPED_FIELD = 7  # in a request header: 1.0 when a push carries no gradient
 LOSS_FIELD = 8  # in a push's header: the mean loss of the worker's share
 REPLY_FIELDS = 6
 ROUND_LOSS_FIELD = 4  # in a plain synchronous push's reply: the round's global-batch loss
+GRAD_NORM_FIELD = 5  # in the same reply, where the round was clipped: its norm before that
 
 
 class Op(IntEnum):
@@ -162,9 +166,10 @@ def reply_header(
     samples: int = 0,
     json_bytes: int = 0,
     loss: float = 0.0,
+    grad_norm: float = 0.0,
 ) -> torch.Tensor:
     return torch.tensor(
-        [float(status), version, samples, json_bytes, loss, 0.0], dtype=torch.float64
+        [float(status), version, samples, json_bytes, loss, grad_norm], dtype=torch.float64
     )
 
 

@@ -49,6 +49,11 @@ closed and returns at once) to the end of its push: no worker waits longer than 
 round already made it. With backup workers the reply does not wait: a version's
 gradient is then not one global batch's (late shares fold into the next version), and
 waiting for the slow shares is what backup workers are there to avoid.
+
+Clipping a plain synchronous round (``max_grad_norm``): once its mean gradient is formed,
+the server sends the square norm of its shard to every other server, receives theirs, and
+scales its shard by torch's coefficient of the total before stepping; the reply to the
+round's pushes carries the norm before clipping. See ``clipping``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from paratrain.checkpoint import Checkpoint, CheckpointError, write_shard
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.parallel.ps import jobkeys
 from paratrain.parallel.ps.backup import quorum
+from paratrain.parallel.ps.clipping import RoundClipper
 from paratrain.parallel.ps.lookahead import PullLookahead
 from paratrain.parallel.ps.optimizer_spec import build_optimizer
 from paratrain.parallel.ps.protocol import (
@@ -105,7 +111,7 @@ class ShardServer:
 
     def __init__(self, spec: dict, index: int, store: dist.Store, prefix: str) -> None:
         self.index, self.store, self.prefix = index, store, prefix
-        self.workers = spec["workers"]
+        self.workers, self.servers = spec["workers"], spec["servers"]
         self.layout = ShardLayout([ParamSpec.from_json(p) for p in spec["shards"][index]])
         # Every parameter is a view of one flat tensor per dtype, so a pull copies the shard
         # with one copy per dtype rather than one per parameter (under the lock, which the
@@ -134,7 +140,12 @@ class ShardServer:
         self.reports_round_loss = self.synchronous and not self.backup
         self._pending_loss = 0.0  # this round's losses x samples, skipped pushes too
         self._pending_loss_samples = 0
-        self._round_losses: dict[int, float] = {}  # version -> the mean loss of its round
+        # version -> its round's mean loss and (where clipped) gradient norm before clipping
+        self._round_losses: dict[int, tuple[float, float]] = {}
+        # Synchronous clipping by the global norm (see ``clipping``); the workers clip
+        # asynchronous pushes themselves, so their spec names no bound.
+        self.max_grad_norm = spec.get("max_grad_norm") if self.synchronous else None
+        self.clipper: RoundClipper | None = None  # made once the group exists (``run``)
         self._awaiting: dict[int, int] = {}  # worker -> the version its push waits for
         # Extrapolated step pulls (asynchronous and bounded runs; see ``lookahead``).
         wants_lookahead = spec.get("lookahead", False) and not self.synchronous
@@ -164,6 +175,9 @@ class ShardServer:
     def run(self, group) -> None:
         """Serve every worker until all are done or gone, or the launch store disappears."""
         self.group = group
+        if self.max_grad_norm is not None:
+            ranks = [self.workers + s for s in range(self.servers)]
+            self.clipper = RoundClipper(group, ranks[self.index], ranks, self.max_grad_norm)
         threads = [
             threading.Thread(target=self._serve, args=(w,), name=f"ps-worker-{w}", daemon=True)
             for w in range(self.workers)
@@ -279,8 +293,11 @@ class ShardServer:
             version = self._awaiting.pop(worker)
             while self.version < version:
                 self.lock.wait(timeout=_POLL_S)
-            loss = self._round_losses.get(version, float("nan"))
-            return [reply_header(version=self.version, samples=self.samples_applied, loss=loss)]
+            loss, norm = self._round_losses.get(version, (float("nan"), float("nan")))
+            header = reply_header(
+                version=self.version, samples=self.samples_applied, loss=loss, grad_norm=norm
+            )
+            return [header]
 
     def _json_reply(self, value) -> list[torch.Tensor]:
         data = encode_json(value)
@@ -390,11 +407,15 @@ class ShardServer:
             return
         seen = self._pending_loss_samples
         round_loss = self._pending_loss / seen if seen else float("nan")
+        if self._pending is not None:
+            for total in self._pending:
+                total.div_(self._pending_weight)
+        # Every server clips every round, even one that carried it no gradient, so that
+        # each server's n-th exchange pairs with the others' n-th (see ``clipping``).
+        norm = self.clipper.clip(self._pending) if self.clipper is not None else float("nan")
         if self._pending is None:
             self._advance(0)
         else:
-            for total in self._pending:
-                total.div_(self._pending_weight)
             grads = self.layout.views(self._pending)
             self._apply(grads, self._pending_has_grad, self._pending_samples)
         self._pending, self._pending_count, self._pending_samples = None, 0, 0
@@ -403,7 +424,7 @@ class ShardServer:
         self._pending_loss, self._pending_loss_samples = 0.0, 0
         # A push waits for the round it joined, and the next round cannot close before
         # every live worker pushes again: older rounds' losses are awaited by nobody.
-        self._round_losses[self.version] = round_loss
+        self._round_losses[self.version] = (round_loss, norm)
         for version in [v for v in self._round_losses if v < self.version - 1]:
             del self._round_losses[version]
 
