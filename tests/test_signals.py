@@ -1,0 +1,110 @@
+"""SIGTERM checkpoints and stops a run that can be resumed; Ctrl-C stops it in one line.
+
+Each test runs ``paratrain train`` as a user would, in its own session, so a signal can
+be sent to the launching process alone (a scheduler's SIGTERM to the job's first
+process) or to the whole process group (what a terminal does on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain.checkpoint import Checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [
+    sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--dataset", "synthetic",
+    "--devices", "2", "--global-batch", "16", "--log-every", "1", "--no-progress",
+]  # fmt: skip
+
+
+def _start(arguments: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    return subprocess.Popen(
+        [*TRAIN, *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _wait_for_training(metrics: Path, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until the run has logged a few steps (so the signal lands inside the loop)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        if metrics.exists():
+            kinds = [json.loads(line).get("kind") for line in metrics.read_text().splitlines()]
+            if kinds.count("train") >= 3:
+                return
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("the run logged no training steps in time")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(int(entry))
+    return found
+
+
+def _gone(pids: list[int], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_after_the_current_step_and_the_run_resumes(tmp_path):
+    run = tmp_path / "run"
+    process = _start(["--steps", "100000", "--run-dir", str(run)])
+    _wait_for_training(run / "metrics.jsonl", process)
+    process.send_signal(signal.SIGTERM)  # the launching process only: it forwards
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if "stopped by SIGTERM" in ln)
+    step = int(line.split("after step ")[1].split(";")[0])
+    saved = run / "checkpoints" / f"step-{step:08d}"
+    assert f"checkpoint {saved}" in line
+    assert f"paratrain train --resume {run}" in line
+    assert Checkpoint(saved).step == step  # verified: every checksum, the step it names
+    # The printed command, with only the length changed, continues from that step.
+    resumed = _start(["--resume", str(run), "--steps", str(step + 2)])
+    out, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, err[-3000:]
+    assert Checkpoint(run / "final").step == step + 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    process = _start(["--steps", "100000", "--run-dir", str(run)])
+    _wait_for_training(run / "metrics.jsonl", process)
+    workers = _children(process.pid)
+    assert workers, "the launcher started no worker processes"
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert err.strip() == "paratrain: interrupted; every worker was stopped.", err[-3000:]
+    assert _gone(workers), "a worker process outlived Ctrl-C"
