@@ -92,6 +92,30 @@ def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options) 
     return trained.state_dict(), losses
 
 
+def train_checkpointed(runs: list[tuple]) -> list[tuple]:
+    """Each (strategy, kind, options) with Hugging Face's ``gradient_checkpointing_enable()``
+    (its blocks recompute their activations in backward, through torch.utils.checkpoint),
+    SGD-momentum, no accumulation."""
+    import paratrain
+    from paratrain.losses import causal_lm_cross_entropy
+
+    results = []
+    for strategy, kind, options in runs:
+        model = build(kind)
+        model.gradient_checkpointing_enable()
+        model.train()  # Hugging Face recomputes only in training mode
+        trained = paratrain.setup(
+            model,
+            optimizer=optimizer("sgd"),
+            loss_fn=causal_lm_cross_entropy,
+            strategy=strategy,
+            **options,
+        )
+        losses = [trained.train_step(x, y).loss for x, y in batches()]
+        results.append((trained.state_dict(), losses))
+    return results
+
+
 def train_all(runs: list[tuple]) -> list[tuple]:
     """Every (strategy, kind, optimizer, accumulation, options) in one launch."""
     return [train(s, kind, opt, acc, **options) for s, kind, opt, acc, options in runs]

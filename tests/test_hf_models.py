@@ -84,3 +84,28 @@ def test_every_engine_trains_saves_and_resumes_hugging_face_models(tmp_path):
     single_state, single_loss = hf_workers.resume("single", "gpt2", path)
     assert resumed[0][1] == pytest.approx(single_loss, rel=1e-5)
     assert relative_error(resumed[0][0], single_state) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_enable_trains_as_the_plain_loop_under_every_engine():
+    """``model.gradient_checkpointing_enable()`` recomputes each block's forward in backward;
+    in fp32 the recomputation repeats the same operations on the same values, so every
+    engine must still equal the plain loop (without checkpointing) to the suite's bar.
+    2 workers, SGD-momentum (the Adam cases above already cover summation order)."""
+    runs = [
+        (strategy, kind, options)
+        for strategy, options in (
+            ("dp", {}),
+            ("zero2", {}),
+            ("zero3", {}),
+            ("pipeline", {"stages": 2, "micro_batches": 2}),
+        )
+        for kind in ("gpt2", "llama")
+    ]
+    results = paratrain.launch(hf_workers.train_checkpointed, devices=2, args=(runs,))
+    references = {kind: plain_loop(kind, "sgd") for kind in ("gpt2", "llama")}
+    for run, (state, losses) in zip(runs, results[0], strict=True):
+        reference, reference_losses = references[run[1]]
+        error = relative_error(state, reference)
+        assert error <= TOLERANCE, (run, error)
+        assert losses == pytest.approx(reference_losses, rel=1e-5), run
