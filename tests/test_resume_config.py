@@ -53,6 +53,16 @@ def test_the_saved_settings_are_taken_and_the_changeable_ones_overridden(tmp_pat
     assert config.strategy == "zero1" and config.stages == TrainConfig().stages
 
 
+def test_a_given_length_replaces_the_saved_one_whether_steps_or_epochs(tmp_path):
+    saved_run(tmp_path, epochs=1)  # a run by epochs, resumed for a number of steps
+    config = resume_config({}, {"resume": str(tmp_path / "run"), "steps": "20"})
+    assert (config.steps, config.epochs) == (20, None)
+    config = resume_config({}, {"resume": str(tmp_path / "run"), "epochs": "3"})
+    assert (config.steps, config.epochs) == (None, 3)
+    config = resume_config({}, {"resume": str(tmp_path / "run")})
+    assert (config.steps, config.epochs) == (None, 1)
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "said"),
     [

@@ -31,7 +31,8 @@ from paratrain.runtime.launch import WorkerError
 def check_resumable(checkpoint: Checkpoint, config: TrainConfig, model: torch.nn.Module) -> None:
     """Refuse, before any worker starts, a resume the workers could not carry out: a model
     whose names or shapes differ from the checkpoint's (``model`` may be on the meta
-    device), or ``--steps`` the checkpoint has already reached."""
+    device). (A length the checkpoint has already reached is refused by ``fit``, which
+    knows the length ``--epochs`` means.)"""
     found = {name: checkpoint.shape("model", name) for name in checkpoint.names("model")}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     problem = mismatch(found, expected, source=f"checkpoint {checkpoint.directory}")
@@ -39,11 +40,6 @@ def check_resumable(checkpoint: Checkpoint, config: TrainConfig, model: torch.nn
         raise ConfigError(
             problem[:-1] + "; resume with the model settings it was saved with (drop the "
             "model flags where its config was saved with it)."
-        )
-    if checkpoint.step >= config.steps:
-        raise ConfigError(
-            f"{checkpoint.directory} is already at step {checkpoint.step}; "
-            "pass --steps above that to train further."
         )
 
 

@@ -114,6 +114,9 @@ def resume_config(
         for name, value in saved.items()
         if name in kinds and name not in NOT_INHERITED
     }
+    if "steps" in given or "epochs" in given:  # one length: the given one replaces the saved
+        inherited.pop("steps", None)
+        inherited.pop("epochs", None)
     if "strategy" in given and given["strategy"][0] != inherited.get("strategy"):
         for name in declared_options():  # the saved strategy's options are not the new one's
             inherited.pop(name, None)
