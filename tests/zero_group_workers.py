@@ -10,12 +10,17 @@ from tests.workers import parity_batches, parity_model
 STEPS = 5
 
 
-def _split(named_parameters) -> tuple[list, list]:
+def split_names(named_parameters) -> tuple[list[str], list[str]]:
     """The standard recipe: decay on matrices, none on biases and norms."""
     named = list(named_parameters)
-    decay = [p for name, p in named if p.dim() >= 2 and not name.endswith("bias")]
-    rest = [p for name, p in named if p.dim() < 2 or name.endswith("bias")]
-    return decay, rest
+    decay = [name for name, p in named if p.dim() >= 2 and not name.endswith("bias")]
+    return decay, [name for name, _ in named if name not in decay]
+
+
+def _split(named_parameters) -> tuple[list, list]:
+    named = dict(named_parameters)
+    decay, rest = split_names(named.items())
+    return [named[n] for n in decay], [named[n] for n in rest]
 
 
 def sgd(named_parameters):
@@ -117,9 +122,8 @@ def resume_phase(
     trained = engine(strategy, name)
     scheduler = schedule(trained.optimizer)
     if load_from:
-        trained.load_checkpoint(load_from)
-        for _ in range(steps[0]):  # the scheduler is the user's to restore
-            scheduler.step()
+        trained.load_checkpoint(load_from)  # each group's current rate comes back with it
+        scheduler.last_epoch = steps[0]  # the scheduler's own count is the user's to restore
     for x, y in parity_batches("gpt", steps=STEPS)[steps[0] : steps[1]]:
         trained.train_step(x, y)
         scheduler.step()
