@@ -46,11 +46,12 @@ there (``replicas``).
 Unused parameters: a parameter that no replica's backward reached in a step is skipped by
 the optimizer, as torch skips one whose ``.grad`` is None (``grads`` agrees on which,
 ``unused`` holds such a parameter's unit as per-parameter pieces); one used on some
-replicas only gets the global-batch mean, zeros from the others. Stage 3 gathers a unit
-in its forward hook, so a top-level child that some replicas run and others skip in the
-same step leaves the others waiting in that gather until the group timeout names them:
-keep data-dependent branches inside a child that every replica calls (as a branch taken
-by some samples is), or use zero2.
+replicas only gets the global-batch mean, zeros from the others. Stage 3 gathers its
+units in module order, so a unit that some replicas run and others skip in the same step
+(a branch the data chooses) is gathered by all of them alike (``gather``); a parameter
+some replicas leave unused inside a unit all of them run is exact only in the last unit
+backward reaches (``gather`` says why): put such a branch in a unit of its own, or use
+zero2.
 
 Mixed precision (``precision=``) works as in ``dp``: forward under autocast, fp32
 parameters, gradients and optimizer state; under fp16 each rank checks its own gradient
@@ -160,10 +161,14 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self.grads = ShardedGradients(
             self.units,
             order=self._reduce_order(),
-            group=group,
+            # zero3 interleaves them with gathers, differently where replicas used different
+            # parameters: a group of their own keeps both orders matched (see ``gather``)
+            group=comm.second_group(group) if self.stage == 3 else group,
             keep_full=self.stage == 1,
             on_unit_done=self.gatherer.release if self.gatherer is not None else None,
         )
+        if self.gatherer is not None:
+            self.gatherer.on_skipped = self.grads.skipped
         self.optimizer, self.pieces = self._build_optimizer(optimizer, elementwise_optimizer)
         for unit in self.units:  # stage 3: a gathered unit's storage is a parameter, not saved data
             unit.on_gathered = lambda full: self.memory.activations.exclude(full)
@@ -206,9 +211,12 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         """The model's forward, by recomputed segments when ``recompute`` is on."""
         if self._segments is None:
             return call_model(self.model, inputs)
-        if self.gatherer is not None:  # the segments bypass model(...) and its root pre-hook
-            self.gatherer.gather_root()
-        return call_model(self._segments, inputs)
+        if self.gatherer is None:
+            return call_model(self._segments, inputs)
+        self.gatherer.begin_forward()  # the segments bypass model(...) and its hooks
+        output = call_model(self._segments, inputs)
+        self.gatherer.end_forward()
+        return output
 
     def _backward_pass(self):
         """Stage 3 keeps units gathered through their recompute (see ``gather``)."""
