@@ -1,6 +1,6 @@
 """Parameter groups built by name (no weight decay on biases and norms): the factory gets
-(name, parameter) pairs under every engine that optimizes whole parameters; the ZeRO
-engines, whose optimizer sees flat slices, refuse it with one sentence."""
+(name, parameter) pairs under every engine, with canonical names; the ZeRO engines carry
+the groups over to their flat slices (tests/test_zero_param_groups.py goes further)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,17 @@ def test_single_groups_by_name_as_the_plain_loop():
 
 
 @pytest.mark.slow
-def test_dp_pipeline_and_ps_group_by_name_and_zero_refuses():
+def test_dp_pipeline_ps_and_zero_group_by_name():
     """Canonical names reach the factory on every pipeline stage, and on the ps servers."""
     reference = plain_loop()
-    runs = [("dp", {}), ("pipeline", {"stages": 2, "micro_batches": 2}), ("ps", {})]
+    runs = [
+        ("dp", {}),
+        ("pipeline", {"stages": 2, "micro_batches": 2}),
+        ("ps", {}),
+        ("zero1", {}),
+        ("zero3", {}),
+    ]
     results = paratrain.launch(group_workers.train_all, devices=2, args=(runs,))
     for (strategy, _), (state, _) in zip(runs, results[0], strict=True):
         error = relative_error(state, reference)
         assert error <= TOLERANCE, (strategy, error)
-    with pytest.raises(paratrain.WorkerError, match="cannot be honoured"):
-        paratrain.launch(group_workers.train_all, devices=2, args=([("zero1", {})],))

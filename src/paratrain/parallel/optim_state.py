@@ -65,9 +65,10 @@ def load_named_optimizer_state(
 
     ``state_keys`` maps a parameter name to its saved state keys; ``fetch("name/key")``
     returns a tensor. Each local group takes the hyperparameters of the saved group that
-    held its first parameter, except the implementation (``IMPLEMENTATION_KEYS``): which
-    kernel runs is the loading engine's choice (dp may have swapped in the fused kernel,
-    and the single-device reference keeps the user's), not part of the training state.
+    held its first parameter (an empty one, the saved group at its position), except the
+    implementation (``IMPLEMENTATION_KEYS``): which kernel runs is the loading engine's
+    choice (dp may have swapped in the fused kernel, and the single-device reference keeps
+    the user's), not part of the training state.
     """
     group_of = {name: group for group in saved_groups for name in group["params"]}
     ordered = _ordered_params(optimizer)
@@ -79,8 +80,13 @@ def load_named_optimizer_state(
         if keys:
             state[index[id(param)]] = {key: fetch(f"{name}/{key}") for key in keys}
     param_groups = []
-    for group in optimizer.param_groups:
-        saved = group_of.get(names[id(group["params"][0])], {})
+    for position, group in enumerate(optimizer.param_groups):
+        if group["params"]:
+            saved = group_of.get(names[id(group["params"][0])], {})
+        elif len(saved_groups) == len(optimizer.param_groups):  # nothing of it here (a
+            saved = saved_groups[position]  # ZeRO rank's slice may miss a small group)
+        else:
+            saved = {}
         merged = {k: v for k, v in group.items() if k != "params"}
         for key, value in saved.items():
             if key != "params" and key in merged and key not in IMPLEMENTATION_KEYS:

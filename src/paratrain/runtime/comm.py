@@ -156,3 +156,28 @@ def send_async(tensor: torch.Tensor, *, dst: int, tag: int = 0):
     """
     _count("send", tensor)
     return dist.isend(tensor, dst=dst, tag=tag)
+
+
+def second_group(group: ProcessGroup | None = None) -> ProcessGroup:
+    """A new process group over ``group``'s ranks (the whole job by default), with its
+    timeout: collectives are matched in issue order within a group, so two streams of
+    collectives whose interleaving may differ between ranks (zero3's parameter gathers and
+    its gradient reduce-scatters) stay matched when each has its own group. Every member
+    calls it at the same points; other ranks need not (local synchronisation). One per set
+    of ranks, kept for the process (engines built one after another share it)."""
+    group = group or dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(dist.group.WORLD), ranks)  # a new job (init after destroy) gets new groups
+    if key in _second_groups:
+        return _second_groups[key]
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # not exposed: torch's default
+        timeout = None
+    second = dist.new_group(ranks=list(ranks), timeout=timeout, use_local_synchronization=True)
+    _second_groups[key] = second
+    return second
+
+
+_second_groups: dict[tuple[int, tuple[int, ...]], ProcessGroup] = {}

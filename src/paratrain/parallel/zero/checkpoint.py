@@ -28,6 +28,11 @@ keeps it. Loading holds a unit as pieces (splitting it first) when the saved sta
 its parameters differs in keys or in per-parameter values, so that a parameter that
 skipped steps (fewer Adam steps, no SGD buffer yet) resumes exactly; otherwise as one
 slice, as before.
+
+Parameter groups (``groups``): the optimizer's groups are the user's, in order, so each
+saved group lists the names of all its parameters and its own hyperparameters; no slice
+mixes groups, and a unit whose parameters span several groups is held as pieces from the
+start, so its state is saved and loaded per parameter as above.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 from paratrain.checkpoint import Checkpoint
 from paratrain.parallel.checkpointing import ShardedCheckpointState
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
+from paratrain.parallel.zero.groups import ParamGroups
 from paratrain.parallel.zero.shards import FlatUnit
 from paratrain.parallel.zero.unused import ShardPieces
 from paratrain.runtime import comm
@@ -53,12 +59,14 @@ does not survive pickling as the same object, so it is recognised by type)."""
 class ZeroCheckpointState(ShardedCheckpointState):
     """The ``ShardedCheckpointState`` hooks of a ZeRO engine: it holds ``units`` (flat
     units with this rank's ``shard``), ``pieces`` (the units the optimizer holds as
-    per-parameter pieces), ``group``, ``optimizer`` and ``_load_units``."""
+    per-parameter pieces), ``group``, ``optimizer``, ``param_groups`` (which parameter
+    names each optimizer group holds) and ``_load_units``."""
 
     units: list[FlatUnit]
     pieces: ShardPieces
     group: Any
     optimizer: torch.optim.Optimizer | None
+    param_groups: ParamGroups
 
     def gather_checkpoint_state(
         self,
@@ -92,9 +100,12 @@ class ZeroCheckpointState(ShardedCheckpointState):
         for index, pieces in self.pieces.pieces.items():
             keys.update({id(piece): f"{_UNIT}{index}" for *_, piece in pieces})
         _, unit_groups = named_optimizer_state(self.optimizer, keys)
-        # One group over every unit (``optim`` refuses more), whichever pieces rank 0 holds.
-        names = [name for unit in self.units for name in unit.names]
-        groups = [{**group, "params": names} for group in unit_groups]
+        # The user's groups by the names of all their parameters, whichever pieces rank 0
+        # holds (the optimizer's groups are the user's, in order; see ``groups``).
+        groups = [
+            {**group, "params": list(names)}
+            for group, names in zip(unit_groups, self.param_groups.names, strict=True)
+        ]
         return model, tensors, groups
 
     def _gather_pieces(

@@ -33,10 +33,12 @@ A tied parameter is one Parameter, so it sits in one unit under its canonical na
 one ``named_parameters()`` gives) at every stage, and gets its summed gradient as on one
 device.
 
-The optimizer factory receives flat slices, not the model's parameters, so per-parameter
-groups (e.g. no weight decay on biases) cannot be expressed: one group applies to all,
-and an optimizer not known to be elementwise is refused (``optim``) unless the user
-passes ``elementwise_optimizer=True``.
+The optimizer works on flat slices, not the model's parameters. Parameter groups (no
+weight decay on biases, by name or not) are learned from the factory first and kept
+apart: zero1/2 buckets hold one group each, a zero3 unit whose parameters span groups is
+handed over as per-parameter pieces, and the optimizer is rebuilt over the slices with
+the user's groups in order (``groups``). An optimizer not known to be elementwise is
+refused (``optim``) unless the user passes ``elementwise_optimizer=True``.
 Frozen parameters (``requires_grad=False``) and buffers stay replicated as in ``dp``, and
 ``broadcast_buffers``, ``sync_batchnorm`` and each replica's own random stream work as
 there (``replicas``).
@@ -44,11 +46,12 @@ there (``replicas``).
 Unused parameters: a parameter that no replica's backward reached in a step is skipped by
 the optimizer, as torch skips one whose ``.grad`` is None (``grads`` agrees on which,
 ``unused`` holds such a parameter's unit as per-parameter pieces); one used on some
-replicas only gets the global-batch mean, zeros from the others. Stage 3 gathers a unit
-in its forward hook, so a top-level child that some replicas run and others skip in the
-same step leaves the others waiting in that gather until the group timeout names them:
-keep data-dependent branches inside a child that every replica calls (as a branch taken
-by some samples is), or use zero2.
+replicas only gets the global-batch mean, zeros from the others. Stage 3 gathers its
+units in module order, so a unit that some replicas run and others skip in the same step
+(a branch the data chooses) is gathered by all of them alike (``gather``); a parameter
+some replicas leave unused inside a unit all of them run is exact only in the last unit
+backward reaches (``gather`` says why): put such a branch in a unit of its own, or use
+zero2.
 
 Mixed precision (``precision=``) works as in ``dp``: forward under autocast, fp32
 parameters, gradients and optimizer state; under fp16 each rank checks its own gradient
@@ -95,16 +98,16 @@ from paratrain.parallel.strategy import (
     OptimizerFactory,
     StepStats,
     require_process_group,
-    wants_names,
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
 from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
+from paratrain.parallel.zero.groups import learn_groups
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.shards import FlatUnit, trainable
 from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
-from paratrain.parallel.zero.unused import ShardPieces
+from paratrain.parallel.zero.unused import ShardPieces, make_pieces
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
 
@@ -150,29 +153,23 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self.model = self._replicate(
             model, broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm
         )
+        # The user's groups first: zero1/2 lay their buckets out so that none mixes groups.
+        self.param_groups = learn_groups(
+            optimizer, list(self.model.named_parameters()), strategy=self.name
+        )
         self.units, self.gatherer = self._build_units()
         self.grads = ShardedGradients(
             self.units,
             order=self._reduce_order(),
-            group=group,
+            # zero3 interleaves them with gathers, differently where replicas used different
+            # parameters: a group of their own keeps both orders matched (see ``gather``)
+            group=comm.second_group(group) if self.stage == 3 else group,
             keep_full=self.stage == 1,
             on_unit_done=self.gatherer.release if self.gatherer is not None else None,
         )
-        shards = [unit.shard for unit in self.units]
-        if wants_names(optimizer):
-            raise ValueError(
-                f"{self.name} hands the optimizer flat slices that cut across parameters, so "
-                "a factory grouping parameters by name cannot be honoured; give one group "
-                "(a factory taking plain parameters), or use strategy='dp' or 'pipeline'."
-            )
-        self.optimizer = optimizer(shards)
-        check_sharded_optimizer(
-            self.optimizer,
-            shards,
-            strategy=self.name,
-            elementwise_optimizer=elementwise_optimizer,
-        )
-        self.pieces = ShardPieces(self.units, self.optimizer)
+        if self.gatherer is not None:
+            self.gatherer.on_skipped = self.grads.skipped
+        self.optimizer, self.pieces = self._build_optimizer(optimizer, elementwise_optimizer)
         for unit in self.units:  # stage 3: a gathered unit's storage is a parameter, not saved data
             unit.on_gathered = lambda full: self.memory.activations.exclude(full)
             unit.on_releasing = lambda full: self.memory.activations.include(full)
@@ -184,13 +181,42 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
     def _check_layout(self, model: nn.Module) -> None:
         """Refuse a model the stage cannot shard, before any collective."""
 
+    def _build_optimizer(
+        self, factory: OptimizerFactory, elementwise_optimizer: bool
+    ) -> tuple[torch.optim.Optimizer, ShardPieces]:
+        """The user's optimizer over this rank's slices, each in its parameters' group; a
+        unit whose parameters are in several groups is handed over as per-parameter
+        pieces (``unused``), each in its parameter's group (see ``groups``)."""
+        group_of = self.param_groups.index()
+        tensors: list[list[nn.Parameter]] = [[] for _ in self.param_groups.names]
+        pieces = {}
+        for index, unit in enumerate(self.units):
+            owners = {group_of[name] for name in unit.names}
+            if len(owners) == 1:
+                tensors[owners.pop()].append(unit.shard)
+                continue
+            pieces[index] = make_pieces(unit)
+            for param_index, _start, _end, piece in pieces[index]:
+                tensors[group_of[unit.names[param_index]]].append(piece)
+        optimizer = self.param_groups.build(factory, tensors)
+        check_sharded_optimizer(
+            optimizer,
+            [tensor for group in tensors for tensor in group],
+            strategy=self.name,
+            elementwise_optimizer=elementwise_optimizer,
+        )
+        return optimizer, ShardPieces(self.units, optimizer, pieces)
+
     def _model_forward(self, inputs: Any) -> Any:
         """The model's forward, by recomputed segments when ``recompute`` is on."""
         if self._segments is None:
             return call_model(self.model, inputs)
-        if self.gatherer is not None:  # the segments bypass model(...) and its root pre-hook
-            self.gatherer.gather_root()
-        return call_model(self._segments, inputs)
+        if self.gatherer is None:
+            return call_model(self._segments, inputs)
+        self.gatherer.begin_forward()  # the segments bypass model(...) and its hooks
+        output = call_model(self._segments, inputs)
+        self.gatherer.end_forward()
+        return output
 
     def _backward_pass(self):
         """Stage 3 keeps units gathered through their recompute (see ``gather``)."""
@@ -356,18 +382,29 @@ class _ReplicatedParameters(ZeroEngine):
         )
 
     def _build_units(self) -> tuple[list[FlatUnit], None]:
+        """Buckets of one dtype, device and parameter group each, in reverse registration
+        order; with several groups, each kind's buckets are launched in the order backward
+        completes them (by the last of their parameters to get its gradient)."""
         ordered = list(reversed(trainable(list(self.model.named_parameters()))))
-        units = []
+        position = {name: i for i, (name, _) in enumerate(ordered)}
+        group_of = self.param_groups.index()
+        planned: list[list[tuple[str, nn.Parameter]]] = []
         for kind in dict.fromkeys((p.dtype, p.device) for _, p in ordered):
-            same = [(n, p) for n, p in ordered if (p.dtype, p.device) == kind]
-            plan = plan_buckets(
-                [p.numel() * p.element_size() for _, p in same],
-                bucket_bytes=self._bucket_bytes,
-                first_bucket_bytes=self._bucket_bytes,
-            )
-            for indices in plan:
-                units.append(self._unit(f"bucket{len(units)}", [same[i] for i in indices]))
-        return units, None
+            buckets = []
+            for group in range(len(self.param_groups.names)):
+                same = [
+                    (n, p)
+                    for n, p in ordered
+                    if (p.dtype, p.device) == kind and group_of[n] == group
+                ]
+                plan = plan_buckets(
+                    [p.numel() * p.element_size() for _, p in same],
+                    bucket_bytes=self._bucket_bytes,
+                    first_bucket_bytes=self._bucket_bytes,
+                )
+                buckets += [[same[i] for i in indices] for indices in plan]
+            planned += sorted(buckets, key=lambda b: max(position[n] for n, _ in b))
+        return [self._unit(f"bucket{i}", named) for i, named in enumerate(planned)], None
 
 
 @register("zero1")

@@ -32,16 +32,44 @@ gathered once per backward, at a point the graph fixes, identically on every ran
 (The recompute may also stop early, inside the unit, without running its post-hook.)
 
 Every gather blocks until the data is there (bounded by the group timeout); there is no
-prefetch of the next unit, which keeps the peak at one gathered unit (plus the root) and
-the order of collectives identical on every rank: all ranks run the same graph, so the
-hooks fire in the same order. Cost per micro-batch: two all-gathers of the model (forward
-and backward); per step, one reduce-scatter: 3(N-1)/N x model bytes per rank on a ring,
-1.5x data parallel's all-reduce, as in the ZeRO paper.
+prefetch of the next unit, which keeps the peak at one gathered unit (plus the root).
+Cost per micro-batch: two all-gathers of the model (forward and backward); per step, one
+reduce-scatter: 3(N-1)/N x model bytes per rank on a ring, 1.5x data parallel's
+all-reduce, as in the ZeRO paper.
+
+Replicas that run different units. Collectives are matched in the order each rank issues
+them, and a replica's graph depends on its share of the batch: a unit some replicas call
+and others skip (a branch chosen by the data), or a parameter inside a unit that only
+some replicas use. Two rules keep every rank's sequence of gathers the same:
+
+- Units are gathered in their fixed order (module order). In forward, a replica that
+  reaches unit k first gathers and frees again every unit before k it has not reached
+  (the ones it skipped, which the others are gathering now), and at the end of forward
+  the rest. In backward, before its next gather, it gathers and frees every unit after
+  it that it skipped in forward, where the others gather it for their backward, and at
+  the end of backward the rest. A replica that uses every unit, in order, never catches
+  up anything: the common path costs nothing more. A model that calls its units in
+  another order (a unit called after one that comes later in module order, other than a
+  second call of a unit) turns this off for good at that call, on every replica alike,
+  and is then exact, as before, only while all replicas run the same units.
+- The reduce-scatters run in a process group of their own (``comm.second_group``), in
+  one fixed order (``grads``), so they never pair with a gather. A unit this replica
+  skipped is reduced as soon as its turn comes (``on_skipped``, zeros from this replica),
+  not when the step's reduction ends: a replica that ran it waits for that reduction
+  during its backward (at most one message in flight), and its backward's gathers are
+  what this replica needs to reach the end.
+
+Not covered: a parameter that some replicas use and others do not inside a unit they all
+run (a per-sample branch inside a block), where that unit is not the last one backward
+reaches. The replica that did not use it cannot tell, before its backward ends, that the
+unit's gradients are complete, so it reduces the unit only then, while the others wait for
+that reduction mid-backward; the group timeout then names who did not arrive. Put such a
+branch in a unit of its own (``units=``), or use zero2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,20 +98,71 @@ class ParameterGatherer:
         self.root = root
         self._needs_backward_gather: dict[int, bool] = {}
         self._in_backward = False
-        for unit_children, unit in zip(modules, units, strict=True):
+        self._cursor = 0
+        """Forward: every unit before it was gathered (run or caught up) in this pass."""
+        self._ran: set[int] = set()
+        self._skipped: list[int] = []
+        """Backward: units this replica skipped in forward, highest index first."""
+        self._in_order = True
+        """Whether every forward so far called the units in module order (see above)."""
+        self.on_skipped: Callable[[list[int]], None] | None = None
+        """Called at the end of a forward with grad with the units it skipped (``grads``)."""
+        for index, (unit_children, _unit) in enumerate(zip(modules, units, strict=True)):
             for module in unit_children:
-                module.register_forward_pre_hook(self._pre_forward(unit))
-                module.register_forward_hook(self._post_forward(unit))
-        if root is not None:
-            model.register_forward_pre_hook(lambda _module, _args: root.gather(self.group))
+                module.register_forward_pre_hook(self._pre_forward(index))
+                module.register_forward_hook(self._post_forward(index))
+        model.register_forward_pre_hook(lambda _module, _args: self.begin_forward())
+        model.register_forward_hook(lambda _module, _args, _output: self.end_forward())
 
-    def _pre_forward(self, unit: FlatUnit):
+    def begin_forward(self) -> None:
+        """A forward starts: gather the root, reset the cursor (``model(...)``'s pre-hook)."""
+        self._cursor, self._ran, self._skipped = 0, set(), []
+        if self.root is not None:
+            self.root.gather(self.group)
+
+    def end_forward(self) -> None:
+        """A forward ended: catch up the units after the last one run (``model(...)``'s
+        hook); remember which units this replica skipped, for backward."""
+        if not self._in_order:
+            return
+        self._catch_up(range(self._cursor, len(self.units)))
+        self._cursor = len(self.units)
+        self._skipped = [i for i in reversed(range(len(self.units))) if i not in self._ran]
+        if self._skipped and self.on_skipped is not None and torch.is_grad_enabled():
+            self.on_skipped(self._skipped)
+
+    def _catch_up(self, indices) -> None:
+        """Gather and free units this replica does not run, where the others gather them."""
+        for index in indices:
+            unit = self.units[index]
+            if not unit.gathered:
+                unit.gather(self.group)
+                unit.release()
+
+    def _gather_for_backward(self, index: int) -> None:
+        """Before unit ``index``'s backward gather: the skipped units after it first."""
+        while self._skipped and self._skipped[0] > index:
+            self._catch_up([self._skipped.pop(0)])
+        self.units[index].gather(self.group)
+
+    def _pre_forward(self, index: int):
         def hook(_module: nn.Module, _args: Any) -> None:
-            unit.gather(self.group)
+            if self._in_backward:  # a recompute
+                self._gather_for_backward(index)
+                return
+            if index < self._cursor and index not in self._ran:
+                self._in_order = False  # out of module order: no more catching up
+            if self._in_order and index >= self._cursor:
+                self._catch_up(range(self._cursor, index))
+                self._cursor = index + 1
+            self._ran.add(index)
+            self.units[index].gather(self.group)
 
         return hook
 
-    def _post_forward(self, unit: FlatUnit):
+    def _post_forward(self, index: int):
+        unit = self.units[index]
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._in_backward:
                 return  # a recompute: backward still needs the unit; ``release`` frees it
@@ -94,7 +173,7 @@ class ParameterGatherer:
 
             def before_backward(grad: torch.Tensor) -> None:
                 if self._needs_backward_gather.pop(id(unit), False):
-                    unit.gather(self.group)
+                    self._gather_for_backward(index)
 
             def register(tensor: torch.Tensor) -> torch.Tensor:
                 if tensor.requires_grad:
@@ -113,11 +192,8 @@ class ParameterGatherer:
             yield
         finally:
             self._in_backward = False
-
-    def gather_root(self) -> None:
-        """Gather the root unit (the model's pre-hook does it when ``model(...)`` is called)."""
-        if self.root is not None:
-            self.root.gather(self.group)
+        self._catch_up(self._skipped)  # the skipped units the others gather last
+        self._skipped = []
 
     def release(self, unit: FlatUnit) -> None:
         """A unit's backward is over (all its gradients are accumulated)."""
@@ -127,6 +203,7 @@ class ParameterGatherer:
     def release_all(self) -> None:
         """After a backward or a no-grad forward: free whatever is still gathered."""
         self._needs_backward_gather.clear()
+        self._skipped = []
         for unit in self.units:
             unit.release()
         if self.root is not None:

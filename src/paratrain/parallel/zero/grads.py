@@ -111,6 +111,19 @@ class ShardedGradients:
             return
         if self.on_unit_done is not None:
             self.on_unit_done(self.units[index])
+        self._launch_ready()
+
+    def skipped(self, indices: list[int]) -> None:
+        """Units this replica's forward did not run (zero3, ``gather``): no gradient of
+        theirs will come in this backward, so each is reduced (zeros from this replica)
+        as soon as its turn comes, not when the step's reduction ends: a replica that ran
+        it waits for it during its backward, and this one must not make it wait for the
+        end of a backward whose gathers need that replica."""
+        for index in indices:
+            self._pending[index] = 0
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
         if not self._reduce:
             return
         while self._next < len(self.order) and self._pending[self.order[self._next]] == 0:

@@ -11,8 +11,8 @@ different, wrong update without any error, so they are refused unless the user s
 that their optimizer is elementwise (``elementwise_optimizer=True``).
 
 The check is on the exact class: a subclass may override ``step`` and is refused too.
-The factory must also build one parameter group over exactly the slices it was given:
-per-parameter groups cannot be expressed over flat slices that mix parameters.
+Parameter groups are carried over by ``groups`` (no slice mixes two groups); the
+optimizer must then hold exactly the slices it was given, each once.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def check_sharded_optimizer(
 ) -> None:
     """Refuse an optimizer that would compute a different update on flat slices.
 
-    ``shards`` are the flat slices the factory was called with; ``elementwise_optimizer``
-    is the user's statement that a class not in ``ELEMENTWISE`` updates each element alone.
+    ``shards`` are the flat slices (and per-parameter pieces) the optimizer was built
+    over; ``elementwise_optimizer`` is the user's statement that a class not in
+    ``ELEMENTWISE`` updates each element alone.
     """
     kind = type(optimizer)
     if kind not in ELEMENTWISE and not elementwise_optimizer:
@@ -59,15 +60,13 @@ def check_sharded_optimizer(
             "SGD, ...), strategy='dp', or pass elementwise_optimizer=True if its update of "
             "each element depends only on that element."
         )
-    groups = optimizer.param_groups
     given = {id(shard) for shard in shards}
-    held = [id(param) for group in groups for param in group["params"]]
-    if len(groups) != 1 or len(held) != len(given) or set(held) != given:
+    held = [id(param) for group in optimizer.param_groups for param in group["params"]]
+    if len(held) != len(given) or set(held) != given:
         raise ValueError(
-            f"{strategy} needs the optimizer factory to build one parameter group over exactly "
-            f"the {len(given)} flat slice(s) it is given (it built {len(groups)} group(s) "
-            f"over {len(held)} parameter(s)), because each slice mixes parameters; pass "
-            "them straight through, as in "
-            "`lambda params: torch.optim.Adam(params, lr=1e-3)`, or use strategy='dp' for "
-            "per-parameter groups."
+            f"{strategy} needs the optimizer factory to build its optimizer over exactly "
+            f"the {len(given)} flat slice(s) it is given (it holds {len(held)} tensor(s) in "
+            f"{len(optimizer.param_groups)} group(s)), because each slice stands for a part "
+            "of the model's parameters; build it from the parameters it is given, as in "
+            "`lambda params: torch.optim.Adam(params, lr=1e-3)`, or use strategy='dp'."
         )

@@ -19,6 +19,11 @@ accepts are elementwise (``optim``), so a piece is updated as those elements of 
 whole parameter would be, with the parameter's own bookkeeping: exact for each of them,
 whatever its hyperparameters, with no list of special cases to keep.
 
+A unit whose parameters belong to different parameter groups (``groups``; zero3's units
+are modules, whose weights and biases the usual recipe groups apart) is held as pieces
+from the start, each piece in its parameter's group: the same mechanism, so such a unit's
+checkpoint state is per parameter too.
+
 Cost: a unit whose parameters are always used keeps one flat tensor in the optimizer
 (the all-used path is unchanged); a split unit steps per piece, the per-tensor loop
 torch's default runs on CPU anyway.
@@ -45,13 +50,32 @@ def piece_ranges(unit: FlatUnit) -> list[tuple[int, int, int]]:
     return ranges
 
 
+Pieces = list[tuple[int, int, int, nn.Parameter]]
+"""``(parameter index, start, end, piece)`` of a unit held as per-parameter pieces."""
+
+
+def make_pieces(unit: FlatUnit) -> Pieces:
+    """One ``nn.Parameter`` per parameter this rank's slice reaches, a view into the slice."""
+    shard = unit.shard.detach()
+    return [
+        (param_index, start, end, nn.Parameter(shard.narrow(0, start, end - start)))
+        for param_index, start, end in piece_ranges(unit)
+    ]
+
+
 class ShardPieces:
     """Which units the optimizer holds as per-parameter pieces, and their gradients."""
 
-    def __init__(self, units: list[FlatUnit], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        optimizer: torch.optim.Optimizer,
+        pieces: dict[int, Pieces] | None = None,
+    ) -> None:
+        """``pieces``: units the optimizer was built over as pieces (parameter groups)."""
         self.units = units
         self.optimizer = optimizer
-        self.pieces: dict[int, list[tuple[int, int, int, nn.Parameter]]] = {}
+        self.pieces: dict[int, Pieces] = dict(pieces or {})
         """Unit index -> ``(parameter index, start, end, piece)`` for each split unit."""
 
     def split(self, index: int, *, keep_state: bool = True) -> None:
@@ -59,12 +83,8 @@ class ShardPieces:
         slice's optimizer state (or none, when a checkpoint is about to set it)."""
         if index in self.pieces:
             return
-        unit = self.units[index]
-        shard = unit.shard
-        pieces = [
-            (param_index, start, end, nn.Parameter(shard.detach().narrow(0, start, end - start)))
-            for param_index, start, end in piece_ranges(unit)
-        ]
+        shard = self.units[index].shard
+        pieces = make_pieces(self.units[index])
         state = self.optimizer.state.pop(shard, {})
         for _, start, end, piece in pieces:
             if keep_state and state:
