@@ -250,4 +250,4 @@ def test_dp_with_a_parameter_whose_first_gradient_comes_late(devices):
     for case, (state, losses) in zip(cases, results[0], strict=True):
         reference, reference_losses = workers.train_with("single", *case)
         assert relative_error(state, reference) <= TOLERANCE, case
-        assert losses == pytest.approx(reference_losses, rel=1e-5), case
+        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), case

@@ -80,4 +80,4 @@ def test_pipeline_carries_a_dict_and_a_tuple_between_stages():
     results = paratrain.launch(input_workers.train_all, devices=3, args=(runs,))
     for state, losses in results[0]:
         assert relative_error(state, reference) <= TOLERANCE
-        assert losses[:-1] == pytest.approx(reference_losses, rel=1e-5)
+        assert losses[:-1] == pytest.approx(reference_losses, rel=TOLERANCE)

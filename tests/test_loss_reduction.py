@@ -67,7 +67,7 @@ def check(result: tuple, reference: tuple, label) -> None:
     state, losses = result
     error = relative_error(state, reference[0])
     assert error <= TOLERANCE, (label, error)
-    assert losses == pytest.approx(reference[1], rel=1e-5), label
+    assert losses == pytest.approx(reference[1], rel=TOLERANCE), label
 
 
 def test_the_batches_are_padded_unevenly():
@@ -120,7 +120,7 @@ def test_a_per_part_mean_differs_from_the_global_token_mean(references):
     engine.loss_fn = lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     x, y = loss_workers.padded_batches()[0]
     expected = references[("sgd", 1)][1][0]
-    assert engine.train_step(x, y).loss != pytest.approx(expected, rel=1e-5)
+    assert engine.train_step(x, y).loss != pytest.approx(expected, rel=TOLERANCE)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -37,7 +37,7 @@ def test_a_scheduler_drives_every_engine_as_it_drives_one_device(optimizer):
     for (strategy, _, _), (state, losses) in zip(runs, results[0], strict=True):
         error = relative_error(state, reference)
         assert error <= TOLERANCE, (strategy, error)
-        assert losses[:3] == pytest.approx(reference_losses[:3], rel=1e-5), strategy
+        assert losses[:3] == pytest.approx(reference_losses[:3], rel=TOLERANCE), strategy
 
 
 @pytest.mark.slow
