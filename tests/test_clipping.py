@@ -34,7 +34,7 @@ def check(result, reference, label) -> None:
     error = relative_error(state, reference[0])
     assert error <= TOLERANCE, (label, error)
     # the norm before clipping, summed in another order: a few float32 roundings apart
-    assert norms == pytest.approx(reference[1], rel=1e-5), label
+    assert norms == pytest.approx(reference[1], rel=TOLERANCE), label
 
 
 def test_the_runs_clip():

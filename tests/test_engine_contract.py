@@ -109,10 +109,12 @@ def test_single_engine_eval_changes_nothing_and_train_refuses_uneven_accumulatio
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     before = engine.state_dict()
     loss = engine.eval_step(x, y)
+    # The same forward and loss on the same parameters: exact in principle; approx's
+    # default rel 1e-6 (16 fp32 unit roundoffs) allows nothing beyond rounding.
     assert loss == pytest.approx(F.mse_loss(engine.model(x), y).item())
     assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
     with pytest.raises(BatchSplitError, match="use a multiple of 2"):
         engine.train_step(torch.randn(5, 3), torch.randn(5, 1))
     stats = engine.train_step(x, y)
     assert stats.step == 1 and stats.samples == 8
-    assert stats.loss == pytest.approx(loss)
+    assert stats.loss == pytest.approx(loss)  # the same forward again (two halves): 1e-6

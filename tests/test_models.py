@@ -87,6 +87,9 @@ def test_gpt_init_follows_nanogpt():
     block = model[1]
     assert block.attn.qkv.bias is None  # see CausalSelfAttention: the key bias is inert
     assert torch.count_nonzero(block.attn.proj.bias) == 0
+    # Sample std of n >= 16640 normal draws: relative standard error 1/sqrt(2n) <= 5.5e-3,
+    # so rel 0.05 is 9 standard errors or more; torch's default init (std ~ 1/sqrt(3 *
+    # fan_in) = 0.036 at width 256) is 80% off.
     assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert block.mlp.proj.weight.std().item() == pytest.approx(0.02 / 4.0, rel=0.05)
     assert model[0].token.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -172,6 +175,8 @@ def test_sequence_cross_entropy_equals_flattened_cross_entropy():
     logits = torch.randn(3, 7, 11)
     targets = torch.randint(0, 11, (3, 7))
     expected = F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+    # Exact in principle (the same cross entropy over the same flattened rows): atol 1e-7
+    # is under one ulp of a loss near ln 11 = 2.4 (2.4e-7), so this asks for equality.
     assert torch.allclose(sequence_cross_entropy(logits, targets), expected, rtol=0, atol=1e-7)
     # ... and not, say, a sum or a mean of per-sequence sums.
     assert not torch.allclose(sequence_cross_entropy(logits, targets), expected * 7)
@@ -189,6 +194,10 @@ def test_gpt_is_causal():
     changed = tokens.clone()
     changed[:, 8] = (changed[:, 8] + 1) % 16
     before, after = model(tokens), model(changed)
+    # Exact in principle: a position's logits are computed from the same earlier tokens with
+    # the same ops (masked scores are -inf, exp(-inf) = 0 exactly); atol 1e-6 is a few ulps
+    # of O(1) logits. A changed token must move later logits by more than 1e-4, a hundred
+    # times that.
     assert torch.allclose(before[:, :8], after[:, :8], rtol=0, atol=1e-6)
     assert not torch.allclose(before[:, 8:], after[:, 8:], atol=1e-4)
 

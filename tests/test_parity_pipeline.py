@@ -28,7 +28,7 @@ def check(results, cases, references, label):
         ref_state, ref_losses = references[case]
         error = relative_error(state, ref_state)
         assert error <= TOLERANCE, f"{label} {case}: relative error {error:.2e}"
-        assert losses == pytest.approx(ref_losses, rel=1e-5), (label, case)
+        assert losses == pytest.approx(ref_losses, rel=TOLERANCE), (label, case)
     for rank_results in results[1:]:
         for (_, losses), (_, lead_losses) in zip(rank_results, results[0], strict=True):
             assert losses == lead_losses

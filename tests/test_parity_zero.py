@@ -32,7 +32,7 @@ def check(results: list[dict], cases: list[tuple], references: dict, devices: in
                 assert error <= TOLERANCE, (
                     f"{strategy} {case} at {devices} workers: relative error {error:.2e}"
                 )
-                assert losses == pytest.approx(ref_losses, rel=1e-5), (strategy, case)
+                assert losses == pytest.approx(ref_losses, rel=TOLERANCE), (strategy, case)
 
 
 @pytest.mark.slow

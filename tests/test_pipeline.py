@@ -96,7 +96,7 @@ def test_shapes_may_change_between_steps(monkeypatch):
     reference_state, reference_losses = workers.varying_length_worker()
     state, losses = results[0]
     assert relative_error(state, reference_state) <= TOLERANCE
-    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    assert losses == pytest.approx(reference_losses, rel=TOLERANCE)
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ def test_a_version_closes_on_the_first_fresh_pushes_and_late_ones_fold_in():
     push(server, 0, 1.0)
     push(server, 2, 2.0)
     # (6 / 3 + 1 + 2) / (1 / 3 + 1 + 1) = 15 / 7: the weighted mean of everything carried.
+    # The server's fp32 arithmetic: a few roundings of 2^-24, inside approx's default 1e-6.
     assert server.version == 3 and weight(server) == pytest.approx([-4.0 - 15 / 7] * 3)
     assert server.samples_applied == 8 * 7, "a late push's samples count as applied"
     metrics = server._metrics()

@@ -39,7 +39,7 @@ def test_synchronous_ps_matches_single_device(devices):
             assert error <= TOLERANCE, f"{case} {options} worker {rank}: relative error {error:.2e}"
         # Each worker reports the global batch's loss (see the test below), so does their mean.
         per_step = [sum(r[index][1][step] for r in results) / devices for step in range(10)]
-        assert per_step == pytest.approx(reference_losses, rel=1e-5), case
+        assert per_step == pytest.approx(reference_losses, rel=TOLERANCE), case
     if SHARED_DIR.is_dir():
         left = [p.name for p in SHARED_DIR.iterdir() if p.name.startswith(NAME_PREFIX)]
         assert not left, f"shared-memory files left behind: {left}"
@@ -69,7 +69,7 @@ def test_synchronous_ps_reports_the_global_batch_loss_on_every_worker(devices):
         reference, reference_losses = workers.train_with("single", *case)
         for rank, rank_results in enumerate(results):
             state, losses, _ = rank_results[index]
-            assert losses == pytest.approx(reference_losses, rel=1e-5), (case, options, rank)
+            assert losses == pytest.approx(reference_losses, rel=TOLERANCE), (case, options, rank)
             assert relative_error(state, reference) <= TOLERANCE, (case, options, rank)
 
 
@@ -85,4 +85,4 @@ def test_synchronous_ps_with_parameters_unused_at_some_steps():
         for rank_results in results:
             state, losses, _ = rank_results[index]
             assert relative_error(state, reference) <= TOLERANCE, case
-            assert losses == pytest.approx(reference_losses, rel=1e-5), case
+            assert losses == pytest.approx(reference_losses, rel=TOLERANCE), case

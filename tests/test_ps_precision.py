@@ -26,7 +26,7 @@ from paratrain.parallel.ps.server import ShardServer
 from paratrain.parallel.ps.sharding import ParamSpec
 from tests import mem_workers, ps_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
-from tests.test_precision import BF16_TOLERANCE, FORCED, LOSS_TOLERANCE
+from tests.test_precision import BF16_TOLERANCE, FORCED
 
 # ---- the server's rule, in-process ------------------------------------------------------
 
@@ -148,13 +148,14 @@ def test_synchronous_bf16_ps_matches_dp_and_single(ranks):
     # dp (measured: identical); against single, the bf16 bound dp meets.
     assert relative_error(ps["state"], dp["state"]) <= TOLERANCE
     assert relative_error(ps["state"], reference["state"]) <= BF16_TOLERANCE
-    assert relative_error(ps["state"], reference["initial"]) > 1e-2, "the parameters never moved"
+    # The parameters must move further than the bound above allows (measured: 0.64).
+    assert relative_error(ps["state"], reference["initial"]) > BF16_TOLERANCE, "never moved"
     # Each ps worker reports the round's global-batch loss (staleness=0), so the workers'
     # mean is it too.
     shares = [rank[PS_BF16]["losses"] for rank in ranks]
     mean = [sum(step) / len(step) for step in zip(*shares, strict=True)]
     assert mean == pytest.approx(dp["losses"], rel=TOLERANCE)
-    assert mean == pytest.approx(reference["losses"], rel=LOSS_TOLERANCE)
+    assert mean == pytest.approx(reference["losses"], rel=BF16_TOLERANCE)
     assert all(s == 0 for rank in ranks for s in rank[PS_BF16]["skipped"])
 
 
@@ -197,6 +198,8 @@ def test_every_worker_overflowing_backs_off_and_trains_on(ranks):
         assert run["scales"] == [FORCED * 0.5**k for k in skipped]
         assert run["metrics"]["skipped_pushes"][rank] == skipped[-1]
         # Both workers skipped step 1, so its round took no step: the same loss again.
+        # Exact in principle: the same fp16 operations on the same bits (1e-6, 16 fp32
+        # unit roundoffs, is far below one fp16 rounding, 2^-11 = 4.9e-4).
         assert losses[1] == pytest.approx(losses[0], rel=1e-6)
         assert losses[-1] < losses[0] - 0.1, (rank, losses)
         assert finite(run["state"])

@@ -47,6 +47,7 @@ def test_a_stale_push_moves_the_parameters_less_under_inverse(policy, factors):
     push(server, 1, 1.0, pulled=0)  # staleness 1
     push(server, 0, 1.0, pulled=0)  # staleness 2
     push(server, 1, 1.0, pulled=0)  # staleness 3
+    # fp32 steps of lr x factor: four roundings of 2^-24, inside approx's default 1e-6.
     assert weight(server) == pytest.approx([-sum(factors)] * 3)
     assert server.optimizer.param_groups[0]["lr"] == 1.0
     metrics = server._metrics()

@@ -23,6 +23,8 @@ def test_single_recompute_changes_nothing_but_the_activations(plain):
     recomputed = mem_workers.run_cases("single", [(case, {"recompute": True}) for case in CASES])
     for case, ref, got in zip(CASES, plain, recomputed, strict=True):
         assert relative_error(got["state"], ref["state"]) <= TOLERANCE, case
+        # Exact in principle: recompute reruns the same forward ops on the same bits; 1e-6
+        # (16 fp32 unit roundoffs) allows nothing beyond rounding.
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     gpt_plain, gpt_recomputed = plain[0]["memory"]["peak"], recomputed[0]["memory"]["peak"]
     assert gpt_recomputed["activations"] < 0.3 * gpt_plain["activations"]
@@ -68,7 +70,7 @@ def test_dp_recompute_matches_single_and_holds_fewer_activations(plain):
             recomputed, stored = rank[2 * index], rank[2 * index + 1]
             error = relative_error(recomputed["state"], plain[index]["state"])
             assert error <= TOLERANCE, f"{case}: relative error {error:.2e}"
-            assert recomputed["losses"] == pytest.approx(plain[index]["losses"], rel=1e-5)
+            assert recomputed["losses"] == pytest.approx(plain[index]["losses"], rel=TOLERANCE)
             assert torch.equal(
                 torch.tensor(recomputed["losses"]), torch.tensor(stored["losses"])
             ), "recompute must not change the arithmetic"

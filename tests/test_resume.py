@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from paratrain.checkpoint import Checkpoint, load_model_state
 from paratrain.cli import main
-from tests.test_parity_dp import relative_error
+from tests.test_parity_dp import TOLERANCE, relative_error
 
 BASE = [
     "train",
@@ -52,6 +52,9 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, uninterrupted,
     assert Checkpoint(first / "final").step == 7
     assert main([*BASE, "--resume", str(first), "--steps", "12"]) == 0  # into the same run dir
     resumed = load_model_state(first / "final")
+    # Exact in principle: the resumed run loads the same bits and runs the same ops in the
+    # same order on the same layout; 1e-6 (16 fp32 unit roundoffs) allows nothing beyond
+    # rounding, a tenth of the parity bar that a change of layout gets (below).
     assert relative_error(resumed, uninterrupted) <= 1e-6
     capsys.readouterr()
 
@@ -63,7 +66,8 @@ def test_resume_at_another_device_count_and_strategy(tmp_path, uninterrupted):
     flags = ["--resume", str(first / "final"), "--steps", "12", "--run-dir", str(second)]
     flags += ["--strategy", "pipeline", "--stages", "2", "--micro-batches", "2"]
     assert main([*BASE, *flags]) == 0
-    assert relative_error(load_model_state(second / "final"), uninterrupted) <= 1e-5
+    # Another strategy reduces in another order: the parity bar.
+    assert relative_error(load_model_state(second / "final"), uninterrupted) <= TOLERANCE
 
 
 @pytest.mark.slow
@@ -104,6 +108,7 @@ def test_max_restarts_resumes_from_the_last_checkpoint_to_the_same_result(
     err = capsys.readouterr().err
     assert "worker 1 failed; restarting from checkpoint" in err and "step-00000006" in err
     assert "SIGKILL" in err
+    # Exact in principle, as in the first test (same layout, same ops from the same bits).
     assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= 1e-6
 
 

@@ -69,7 +69,7 @@ def test_single_saves_a_tie_once_and_loads_it_back_tied(tmp_path, references):
     )
     assert tied
     assert relative_error(state, reference) <= TOLERANCE
-    assert losses + more == pytest.approx(reference_losses, rel=1e-5)
+    assert losses + more == pytest.approx(reference_losses, rel=TOLERANCE)
 
 
 def test_ckpt_inspect_and_export_a_tied_checkpoint(tmp_path, capsys):
@@ -124,7 +124,7 @@ def test_dp_then_single_then_dp_with_a_tie_equals_uninterrupted(tmp_path, refere
     state, losses_3, tied = results[0]
     assert all(rank_tied for _, _, rank_tied in results)
     assert relative_error(state, reference) <= TOLERANCE
-    assert losses_1 + losses_2 + losses_3 == pytest.approx(reference_losses, rel=1e-5)
+    assert losses_1 + losses_2 + losses_3 == pytest.approx(reference_losses, rel=TOLERANCE)
     assert Checkpoint(a).manifest["aliases"] == {"model": {GPT_ALIAS: GPT_CANONICAL}}
 
 
@@ -141,7 +141,7 @@ def check_parity(results, cases, references, label):
         assert error <= TOLERANCE, f"{label} {case}: relative error {error:.2e}"
         canonical, alias = tie_workers.TIES[kind]
         assert torch.equal(state[canonical], state[alias]), (label, case)  # copies identical
-        assert losses == pytest.approx(reference_losses, rel=1e-5), (label, case)
+        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), (label, case)
     print(label, {k: f"{v:.1e}" for k, v in worst.items()})
 
 
@@ -189,7 +189,9 @@ def test_pipeline_saves_a_tie_once_and_any_strategy_resumes_it(tmp_path, referen
     )
     assert tied
     assert relative_error(state, reference) <= TOLERANCE
-    assert losses_1 + losses_2 + losses_3 + losses_4 == pytest.approx(reference_losses, rel=1e-5)
+    assert losses_1 + losses_2 + losses_3 + losses_4 == pytest.approx(
+        reference_losses, rel=TOLERANCE
+    )
     for folder in (b, c):
         checkpoint = Checkpoint(folder)
         assert checkpoint.manifest["aliases"] == {"model": {GPT_ALIAS: GPT_CANONICAL}}
@@ -243,7 +245,7 @@ def test_zero_stages_save_a_tie_once_and_reshard(tmp_path, references):
     )
     assert tied
     assert relative_error(state, reference) <= TOLERANCE
-    assert losses + last == pytest.approx(reference_losses, rel=1e-5)
+    assert losses + last == pytest.approx(reference_losses, rel=TOLERANCE)
     for folder in (a, b, c):
         checkpoint = Checkpoint(folder)
         assert checkpoint.manifest["aliases"] == {"model": {GPT_ALIAS: GPT_CANONICAL}}
@@ -278,7 +280,7 @@ def test_ps_trains_a_tie_and_saves_it_once(tmp_path, references):
     )
     assert tied
     assert relative_error(state, reference) <= TOLERANCE
-    assert losses == pytest.approx(reference_losses[5:], rel=1e-5)  # ps reports its own share
+    assert losses == pytest.approx(reference_losses[5:], rel=TOLERANCE)  # ps reports its own share
     checkpoint = Checkpoint(saved)
     assert checkpoint.manifest["aliases"] == {"model": {GPT_ALIAS: GPT_CANONICAL}}
     assert not checkpoint.stored("model", GPT_ALIAS)

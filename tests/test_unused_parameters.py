@@ -77,7 +77,7 @@ def check(runs: list[tuple[dict, list[float]]], cases, references, label: str) -
         ref_state, ref_losses = references[case]
         error = relative_error(state, ref_state)
         assert error <= TOLERANCE, f"{label} {case}: relative error {error:.2e}"
-        assert losses == pytest.approx(ref_losses, rel=1e-5), (label, case)
+        assert losses == pytest.approx(ref_losses, rel=TOLERANCE), (label, case)
         assert torch.equal(state["never"], torch.ones(3)), (label, case)
 
 
@@ -138,7 +138,7 @@ def test_checkpoints_keep_each_parameters_own_history(tmp_path, optimizer, refer
         )[0][1]
     state, last = workers.checkpoint_phase("single", {}, "branchy", optimizer, (8, 10), c, None)
     assert relative_error(state, reference) <= TOLERANCE
-    assert losses + last == pytest.approx(reference_losses, rel=1e-5)
+    assert losses + last == pytest.approx(reference_losses, rel=TOLERANCE)
     saved = Checkpoint(c)
     assert not [n for n in saved.names("optim") if n.startswith("never/")]  # as torch: none
     if optimizer == "adam":  # the branch sat out steps 0, 2, 5, 7 of the first 8
