@@ -37,6 +37,43 @@ class Branches(nn.Module):
         return out
 
 
+class Gated(nn.Module):
+    """``main(h)``, plus ``branch(h)`` on the rows ``taken`` marks (where there are any)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(12, 12)
+        self.branch = nn.Linear(12, 12)
+
+    def forward(self, h: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+        g = self.main(h)
+        if bool(taken.any()):
+            g = g + taken.unsqueeze(1) * self.branch(h)
+        return g
+
+
+class GatedMiddle(nn.Module):
+    """Five zero3 units; the third (``gated``) holds ``main``, which every sample uses, and
+    ``branch``, which only samples with a positive feature 0 use, so a replica whose share
+    has none leaves that parameter out of a unit it still runs, in the middle of the
+    model. Backward reaches two more units after it: a replica that used the branch
+    reduces ``pre`` after ``gated`` (waiting for ``gated``'s reduction, at most one in
+    flight) before it gathers ``first``, which the other replica needs to go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(12, 12)
+        self.pre = nn.Linear(12, 12)
+        self.gated = Gated()
+        self.body = nn.Linear(12, 24)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.pre(torch.relu(self.first(x))))
+        g = self.gated(h, x[:, 0] > 0)
+        return self.head(torch.relu(self.body(torch.relu(g))))
+
+
 FIRST, SECOND = tuple(range(BATCH // 2)), tuple(range(BATCH // 2, BATCH))
 TAKEN = [  # per step, (feature 0, feature 1): the samples (of 8) where it is positive
     (FIRST, FIRST),
@@ -59,9 +96,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def build() -> Branches:
+def build(kind: str = "branches") -> nn.Module:
     torch.manual_seed(3)
-    return Branches()
+    return Branches() if kind == "branches" else GatedMiddle()
 
 
 def optimizer(params):
@@ -73,8 +110,8 @@ def steps() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [*batches(), batches()[1]]
 
 
-def plain_loop() -> dict:
-    model = build()
+def plain_loop(kind: str = "branches") -> dict:
+    model = build(kind)
     opt = optimizer(model.parameters())
     for x, y in steps():
         opt.zero_grad()
@@ -83,11 +120,11 @@ def plain_loop() -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(strategy: str) -> dict:
+def train(strategy: str, kind: str = "branches") -> dict:
     import paratrain
 
     engine = paratrain.setup(
-        build(), optimizer=optimizer, loss_fn=nn.functional.cross_entropy, strategy=strategy
+        build(kind), optimizer=optimizer, loss_fn=nn.functional.cross_entropy, strategy=strategy
     )
     for step, (x, y) in enumerate(steps()):
         if step == STEPS:  # an evaluation (no backward) where replicas differ, in between

@@ -49,9 +49,9 @@ the optimizer, as torch skips one whose ``.grad`` is None (``grads`` agrees on w
 replicas only gets the global-batch mean, zeros from the others. Stage 3 gathers its
 units in module order, so a unit that some replicas run and others skip in the same step
 (a branch the data chooses) is gathered by all of them alike (``gather``); a parameter
-some replicas leave unused inside a unit all of them run is exact only in the last unit
-backward reaches (``gather`` says why): put such a branch in a unit of its own, or use
-zero2.
+some replicas leave unused inside a unit all of them run is found before backward by
+walking the autograd graph (``reach``), so that unit's reduction does not wait for a
+gradient that will not come.
 
 Mixed precision (``precision=``) works as in ``dp``: forward under autocast, fp32
 parameters, gradients and optimizer state; under fp16 each rank checks its own gradient
@@ -105,6 +105,7 @@ from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
 from paratrain.parallel.zero.groups import learn_groups
 from paratrain.parallel.zero.optim import check_sharded_optimizer
+from paratrain.parallel.zero.reach import reachable_leaves
 from paratrain.parallel.zero.shards import FlatUnit, trainable
 from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
 from paratrain.parallel.zero.unused import ShardPieces, make_pieces
@@ -257,8 +258,13 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             self.grads.begin_backward(reduce=index == k - 1)
             with self.memory.forward(index), self.precision.autocast(self._device):
                 loss = totals.add(self.loss_fn(self._model_forward(micro_in), micro_tgt))
+            scaled = totals.scaled(loss, backward_scale, self.precision.loss_factor())
+            if self.gatherer is not None and index == k - 1:  # stage 3 (see ``reach``)
+                reachable = reachable_leaves(scaled)
+                if reachable is not None:
+                    self.grads.expect_only(reachable)
             with self._backward_pass():
-                totals.scaled(loss, backward_scale, self.precision.loss_factor()).backward()
+                scaled.backward()
             self.memory.release(index)
             if self.gatherer is not None:
                 self.gatherer.release_all()

@@ -59,12 +59,9 @@ some replicas use. Two rules keep every rank's sequence of gathers the same:
   during its backward (at most one message in flight), and its backward's gathers are
   what this replica needs to reach the end.
 
-Not covered: a parameter that some replicas use and others do not inside a unit they all
-run (a per-sample branch inside a block), where that unit is not the last one backward
-reaches. The replica that did not use it cannot tell, before its backward ends, that the
-unit's gradients are complete, so it reduces the unit only then, while the others wait for
-that reduction mid-backward; the group timeout then names who did not arrive. Put such a
-branch in a unit of its own (``units=``), or use zero2.
+A parameter that some replicas use and others do not inside a unit they all run (a
+per-sample branch inside a block) is found before backward from the autograd graph
+(``reach``), so the replica that left it out completes that unit's reduction in turn too.
 """
 
 from __future__ import annotations

@@ -123,6 +123,15 @@ class ShardedGradients:
             self._pending[index] = 0
         self._launch_ready()
 
+    def expect_only(self, reachable: set[int]) -> None:
+        """Before a reducing backward: parameters outside ``reachable`` (ids) get no
+        gradient in it, so their units complete without them (``reach`` says why). A
+        unit none of whose parameters is reachable is left to ``skipped`` or ``finish``."""
+        for index, unit in enumerate(self.units):
+            missing = sum(1 for param in unit.params if id(param) not in reachable)
+            if missing and missing < len(unit.params):
+                self._pending[index] -= missing
+
     def _launch_ready(self) -> None:
         if not self._reduce:
             return
