@@ -62,6 +62,8 @@ def draw_runs(runs: list[RunMetrics], path: str | Path) -> list[str]:
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(_figure_title(runs), fontsize=11)
+    if len(runs) > 1:
+        _run_legend(fig, runs, colours)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
@@ -90,10 +92,22 @@ def _figure_title(runs: list[RunMetrics]) -> str:
 
 
 def _label(run: RunMetrics) -> str:
-    """A run's name in legends: its folder and strategy (and precision where not fp32)."""
+    """A run's name in legends: its folder, with its strategy and precision (not fp32)
+    where the folder's name does not already say them."""
     precision = run.config.get("precision", "fp32")
-    extra = f", {precision}" if precision != "fp32" else ""
-    return f"{run.name} ({run.strategy}{extra})"
+    said = [w for w in (run.strategy, precision) if w not in run.name and w != "fp32"]
+    return f"{run.name} ({', '.join(said)})" if said else run.name
+
+
+def _run_legend(fig, runs: list[RunMetrics], colours: list) -> None:
+    """One legend for the whole figure naming each run's colour, under the panels."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=_label(r)) for r, c in zip(runs, colours, strict=True)]
+    try:  # "outside" places it below the panels under constrained layout (matplotlib 3.7+)
+        fig.legend(handles=handles, loc="outside lower center", ncol=len(runs), fontsize=9)
+    except ValueError:
+        fig.legend(handles=handles, loc="upper right", ncol=len(runs), fontsize=9)
 
 
 def _run_colours(count: int) -> list[str]:
@@ -114,31 +128,49 @@ def _ps_metrics(run: RunMetrics) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------- curves
 
 
+def _widths(count: int) -> list[float]:
+    """Line widths, widest first: runs whose curves coincide (dp and ps take the same
+    steps) still show, each a band around the next."""
+    return [1.4 + 1.8 * (count - 1 - i) / max(count - 1, 1) for i in range(count)]
+
+
 def _loss_lines(ax, runs: list[RunMetrics], colours: list, x: str) -> None:
-    for run, colour in zip(runs, colours, strict=True):
-        several = len(runs) > 1
+    for run, colour, width in zip(runs, colours, _widths(len(runs)), strict=True):
         if run.train:
             ax.plot(
                 [r[x] for r in run.train],
                 [r["loss"] for r in run.train],
                 color=colour,
-                label=f"{_label(run)} train" if several else "train",
+                linewidth=width,
             )
         if run.evals:
             ax.plot(
                 [r[x] for r in run.evals],
                 [r["eval_loss"] for r in run.evals],
                 color=colour,
+                linewidth=width,
                 linestyle="--",
                 marker="o",
                 markersize=3,
-                label=f"{_label(run)} eval" if several else "eval",
             )
     ax.set_xlabel("step" if x == "step" else "wall time since training started (s)")
     ax.set_ylabel("loss")
     ax.grid(color="0.92")
+    _style_legend(ax, runs, colours, [("-", None, "train"), ("--", "o", "eval")])
+
+
+def _style_legend(ax, runs: list[RunMetrics], colours: list, styles: list) -> None:
+    """A legend of line styles (``(linestyle, marker, label)``): in the run's colour for
+    one run, in grey for several (whose colours the figure's legend names)."""
+    from matplotlib.lines import Line2D
+
+    colour = colours[0] if len(runs) == 1 else "0.35"
+    handles = [
+        Line2D([], [], color=colour, linestyle=style, marker=marker, markersize=3, label=label)
+        for style, marker, label in styles
+    ]
     if ax.has_data():
-        ax.legend(fontsize=8)
+        ax.legend(handles=handles, fontsize=8)
 
 
 def _draw_loss_step(ax, runs, colours) -> None:
@@ -151,34 +183,26 @@ def _draw_loss_time(ax, runs, colours) -> None:
 
 def _draw_throughput(ax, runs, colours) -> None:
     for run, colour in zip(runs, colours, strict=True):
-        name = _label(run) + ", " if len(runs) > 1 else ""
         logged = [r for r in run.train if r.get("samples_per_s")]  # the first step: 0
         if logged:
-            share = " (worker 0's share)" if run.per_step_throughput_is_share else ""
-            ax.plot(
-                [r["step"] for r in logged],
-                [r["samples_per_s"] for r in logged],
-                color=colour,
-                label=f"{name}running mean from the second step{share}",
-            )
+            ax.plot([r["step"] for r in logged], [r["samples_per_s"] for r in logged], color=colour)
         if run.samples_per_s is not None:
-            ax.axhline(
-                run.samples_per_s,
-                color=colour,
-                linestyle=":",
-                label=f"{name}whole run, all workers: {run.samples_per_s:,.0f}",
-            )
+            ax.axhline(run.samples_per_s, color=colour, linestyle=":")
     ax.set_xlabel("step")
     ax.set_ylabel("samples/s")
     ax.set_ylim(bottom=0)
     ax.grid(color="0.92")
-    if ax.has_data():
-        ax.legend(fontsize=8)
+    shares = [run.name for run in runs if run.per_step_throughput_is_share]
+    share = f" ({', '.join(shares)}: worker 0's share)" if shares else ""
+    whole = "whole run, all workers"
+    if len(runs) == 1 and runs[0].samples_per_s is not None:
+        whole += f": {runs[0].samples_per_s:,.0f}"
+    styles = [("-", None, f"running mean from the second step{share}"), (":", None, whole)]
+    _style_legend(ax, runs, colours, styles)
 
 
 def _draw_accuracy(ax, runs, colours) -> None:
     for run, colour in zip(runs, colours, strict=True):
-        name = f"{_label(run)} " if len(runs) > 1 else ""
         for records, style, kind in ((run.train, "-", "train"), (run.evals, "--", "eval")):
             scored = [r for r in records if "accuracy" in r]
             if scored:
@@ -189,13 +213,11 @@ def _draw_accuracy(ax, runs, colours) -> None:
                     linestyle=style,
                     marker="o" if kind == "eval" else None,
                     markersize=3,
-                    label=f"{name}{kind}",
                 )
     ax.set_xlabel("step")
     ax.set_ylabel("accuracy (%)")
     ax.grid(color="0.92")
-    if ax.has_data():
-        ax.legend(fontsize=8)
+    _style_legend(ax, runs, colours, [("-", None, "train"), ("--", "o", "eval")])
 
 
 # ---------------------------------------------------------------------------- bars
@@ -267,8 +289,6 @@ def _grouped_bars(ax, runs, colours, values_of) -> None:
     ax.margins(y=0.12)
     ax.grid(axis="y", color="0.92")
     ax.set_axisbelow(True)
-    if len(drawn) > 1:
-        ax.legend(fontsize=8)
 
 
 def _draw_staleness(ax, runs, colours) -> None:
