@@ -185,8 +185,8 @@ def test_accuracy_panel_appears_when_records_have_accuracy(tmp_path):
     titles = draw_runs([load_run(scored)], tmp_path / "b.png")
     assert titles[3] == PANEL_TITLES["accuracy"]
     text = summarize_run(load_run(scored))
-    assert "train accuracy    25.00% (step 1)" in text
-    assert "eval accuracy     30.00% (step 1)" in text
+    assert "train accuracy      25.00% (step 1)" in text
+    assert "eval accuracy       30.00% (step 1)" in text
 
 
 def test_a_resumed_run_keeps_its_wall_time_running(tmp_path):
@@ -221,7 +221,7 @@ def test_the_best_loss_is_the_first_time_the_lowest_eval_loss_was_logged(tmp_pat
 def test_an_engine_without_a_ledger_reads_not_measured_not_zero():
     record = {"worker": 1, "peak": {}, "peak_total": 0, "budget": None}
     assert memory_line(record) == (
-        "  memory worker 1    not measured (this engine keeps no memory ledger)"
+        "  memory worker 1     not measured (this engine keeps no memory ledger)"
     )
 
 

@@ -37,7 +37,7 @@ def summarize_run(run: RunMetrics) -> str:
     if best is not None:
         kind, loss, step, seconds = best
         label = f"best {kind} loss"
-        lines.append(f"  {label:<18}{loss:.4f} at step {step}, {seconds:.2f} s in")
+        lines.append(f"  {label:<20}{loss:.4f} at step {step}, {seconds:.2f} s in")
     lines += _accuracy_lines(run)
     lines += _throughput_lines(run)
     if run.train and run.train[-1].get("skipped_steps"):
@@ -54,7 +54,7 @@ def _accuracy_lines(run: RunMetrics) -> list[str]:
     for label, records in (("train accuracy", run.train), ("eval accuracy", run.evals)):
         scored = [r for r in records if "accuracy" in r]
         if scored:
-            lines.append(f"  {label:<18}{scored[-1]['accuracy']:.2%} (step {scored[-1]['step']})")
+            lines.append(f"  {label:<20}{scored[-1]['accuracy']:.2%} (step {scored[-1]['step']})")
     return lines
 
 
@@ -79,7 +79,7 @@ def _throughput_lines(run: RunMetrics) -> list[str]:
 def memory_line(record: dict[str, Any]) -> str:
     """One worker's ledger: peak total, then each category's peak; "not measured" where
     the engine keeps no ledger (rather than a misleading 0 B)."""
-    label = f"  memory worker {record['worker']:<5}"
+    label = f"  {'memory worker ' + str(record['worker']):<20}"
     if not record.get("peak"):
         return label + "not measured (this engine keeps no memory ledger)"
     parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in record["peak"].items())
