@@ -15,6 +15,8 @@ from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.models import build_model
 from paratrain.report import read_metrics
+from paratrain.report_data import load_run
+from paratrain.report_text import summarize_run
 from paratrain.resume import run_dir_of, settle_failed_run
 from paratrain.resume_config import resume_config
 from paratrain.runtime.launch import WorkerError
@@ -152,6 +154,15 @@ def test_a_failed_run_leaves_no_empty_folder_and_marks_a_logged_one(tmp_path):
     existing.mkdir()
     settle_failed_run(existing, error, created=False)
     assert read_metrics(existing / "metrics.jsonl")[0]["kind"] == "failed"
+    # and `paratrain report` says so
+    (logged / "metrics.jsonl").write_text(
+        json.dumps({"kind": "config", "config": {"model": "mlp"}})
+        + "\n"
+        + (logged / "metrics.jsonl").read_text()
+    )
+    assert "failed              worker 1 failed: RuntimeError: boom" in summarize_run(
+        load_run(logged)
+    )
 
 
 @pytest.mark.slow

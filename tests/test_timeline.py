@@ -8,6 +8,7 @@ on paper and written literally.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -19,11 +20,17 @@ from paratrain.parallel.pipeline.timeline import (
     TimelineError,
     chrome_trace,
     measured_bubble,
+    median_step,
     read_timeline,
     theoretical_bubble,
     write_chrome_trace,
 )
-from paratrain.parallel.pipeline.timeline_report import draw_timeline, report, summarize
+from paratrain.parallel.pipeline.timeline_report import (
+    draw_timeline,
+    report,
+    summarize,
+    timeline_title,
+)
 
 
 def gpipe_order(stages: int, micro: int) -> list[list[tuple[str, int]]]:
@@ -403,3 +410,50 @@ def test_summarize_lists_each_replica(tmp_path):
     assert "  replica 0:\n    steps recorded    2 (0-1)\n    measured bubble   33.3%" in text
     assert "  replica 1:\n    steps recorded    2 (0-1)\n    measured bubble   40.0%" in text
     assert "    measured/theory   1.20" in text
+
+
+# ------------------------------------------------------------------ picture agrees with text
+
+
+def uneven_run(tmp_path, replicas=1) -> Path:
+    # Steps 1-4 after the warm-up step 0, bubbles 1/3 (ideal), 0.4 (slow), 1/3, 0.4: an even
+    # count, whose lower middle is 1/3, at step 1 or 3 (equal but for rounding). The plain
+    # median would be 11/30, which no step has, so no picture could show it.
+    records = [meta(2, 2, replicas=replicas)]
+    for replica in range(replicas):
+        for step, shape in enumerate((slow, ideal, slow, ideal, slow)):
+            records += [{**r, "replica": replica} for r in shape(step, 20.0 * step)]
+    write(tmp_path / "run" / "timeline.jsonl", records)
+    return tmp_path / "run"
+
+
+def test_the_drawn_step_is_the_one_whose_bubble_the_text_reports(tmp_path):
+    run = uneven_run(tmp_path)
+    timeline = read_timeline(run / "timeline.jsonl")
+    text = summarize(run)
+    assert "measured bubble     33.3%" in text
+    drawn = int(re.search(r"drawn step +(\d+) \(its bubble is the median", text).group(1))
+    assert drawn in (1, 3)
+    title = timeline_title(timeline, drawn, 0)
+    assert f"(step {drawn}, the median step by bubble)" in title
+    assert "bubble measured 33.3% vs theoretical" in title
+    assert measured_bubble(timeline) == measured_bubble(timeline, step=drawn)
+    assert "a chosen step" in timeline_title(timeline, 2, 0)
+
+
+def test_every_replica_of_a_hybrid_run_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    one = draw_timeline(
+        read_timeline(uneven_run(tmp_path / "one") / "timeline.jsonl"), tmp_path / "1.png"
+    )
+    two_run = uneven_run(tmp_path / "two", replicas=2)
+    two = draw_timeline(read_timeline(two_run / "timeline.jsonl"), tmp_path / "2.png")
+    # A panel per replica: the picture grows by one panel's height (1.2 + 0.45 x 2 stages
+    # inches at 120 dpi = 252 px).
+    assert png_size(two)[1] - png_size(one)[1] == pytest.approx(252, abs=2)
+    timeline = read_timeline(two_run / "timeline.jsonl")
+    drawn, _ = median_step(timeline, 1)
+    assert f"(step {drawn}, replica 1 of 2, the median step by bubble)" in timeline_title(
+        timeline, drawn, 1
+    )
+    assert summarize(two_run).count("drawn step") == 2

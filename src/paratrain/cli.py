@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import MISSING, Field, fields
+from dataclasses import MISSING, Field, fields, replace
+from pathlib import Path
 
 from paratrain import __version__
 from paratrain.checkpoint import CheckpointError
@@ -17,6 +18,10 @@ from paratrain.config import ConfigError, TrainConfig, build_config, field_types
 from paratrain.parallel import strategy_class, strategy_names
 from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
 from paratrain.report import format_bytes
+from paratrain.report_compare import compare_rows, format_compare
+from paratrain.report_data import RunMetrics, load_run
+from paratrain.report_plot import draw_runs
+from paratrain.report_text import summarize_run
 from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
@@ -80,10 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train)
     report = commands.add_parser(
         "report",
-        help="summarise a run; where its strategy recorded a timeline, draw it and write a trace",
+        help="summarise a run and draw report.png (and its timeline where it recorded one); "
+        "with several runs, overlay them and print a table",
     )
-    report.add_argument("run_dir", help="the run's folder (holds metrics.jsonl)")
-    report.add_argument("--out", default=None, help="where to write pictures (default: run_dir)")
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder (holds metrics.jsonl)"
+    )
+    report.add_argument(
+        "--out",
+        default=None,
+        help="where to write pictures (default: the run's folder; for several runs, the "
+        "current folder, as compare.png)",
+    )
     ckpt = commands.add_parser("ckpt", help="look into or convert a checkpoint")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     inspect = ckpt_commands.add_parser("inspect", help="verify a checkpoint and list its contents")
@@ -204,19 +217,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from paratrain.report import read_metrics, summarize_metrics
-
-    run_dir = Path(args.run_dir)
+    run_dirs = [Path(d) for d in args.run_dirs]
+    if len(run_dirs) > 1:
+        return _compare([_load(d) for d in run_dirs], args.out)
+    run_dir = run_dirs[0]
     metrics_file = run_dir / "metrics.jsonl"
     if not metrics_file.exists() and not (run_dir / TIMELINE_FILE).exists():
         raise ConfigError(f"{run_dir} holds no metrics.jsonl; pass the folder of a paratrain run.")
     strategy = None
     if metrics_file.exists():
-        print(summarize_metrics(metrics_file))
-        configs = [r for r in read_metrics(metrics_file) if r.get("kind") == "config"]
-        strategy = configs[0]["config"].get("strategy") if configs else None
+        run = load_run(run_dir)
+        strategy = run.config.get("strategy")
+        print(summarize_run(run))
+        picture = Path(args.out or run_dir) / "report.png"
+        draw_runs([run], picture)
+        print(f"  {'report':<20}{picture}")
     if (run_dir / TIMELINE_FILE).exists():
         recorder = _timeline_recorder(strategy)
         try:  # a timeline that cannot be read is refused with the reader's sentence
@@ -226,6 +241,25 @@ def _report(args: argparse.Namespace) -> int:
             raise ConfigError(str(error)) from None
         for kind, path in drawn.items():
             print(f"  {kind:<20}{path}")
+    return 0
+
+
+def _load(run_dir: Path) -> RunMetrics:
+    try:
+        return load_run(run_dir)
+    except FileNotFoundError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _compare(runs: list[RunMetrics], out: str | None) -> int:
+    """Several runs: one table of headline figures, one picture with the runs overlaid."""
+    names = [run.name for run in runs]
+    if len(set(names)) < len(names):  # legends and table rows name runs by folder
+        runs = [replace(run, display_name=str(run.run_dir)) for run in runs]
+    print(format_compare(compare_rows(runs)))
+    picture = Path(out or ".") / "compare.png"
+    draw_runs(runs, picture)
+    print(f"  {'report':<20}{picture}")
     return 0
 
 

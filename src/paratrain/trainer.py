@@ -44,7 +44,7 @@ from paratrain.preflight import (
     check_dataset,
     time_sharing_warning,
 )
-from paratrain.report import MetricsWriter, format_bytes
+from paratrain.report import MetricsWriter, append_records, format_bytes
 from paratrain.resume import (
     check_resumable,
     checkpoint_metadata,
@@ -322,6 +322,8 @@ def fit(config: TrainConfig) -> RunResult:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)
     if config.strategy in lead:  # what the engine's run_metrics() returned
         result.extra[config.strategy] = lead[config.strategy]
+    if strategy_class(config.strategy).independent_workers:
+        _write_independent(result, lead, reports, lost)
     if (
         config.model == "gpt"
         and config.sample_chars
@@ -358,6 +360,30 @@ def _independent_result(
     result.extra["lost_workers"] = lost
 
 
+def _write_independent(
+    result: RunResult,
+    lead: dict[str, Any],
+    reports: list[dict[str, Any]],
+    lost: dict[int, str],
+) -> None:
+    """The records rank 0 cannot write for workers that never wait on each other: every
+    live worker's memory ledger and the run's summary, with the figures the console prints
+    (the workers' summed throughput, their mean final loss), each worker's own beside them.
+    """
+    live = [r for r in reports if r["rank"] is not None and r["rank"] not in lost]
+    summary = {k: v for k, v in lead.items() if k not in ("rank", "memory")}
+    summary.update(
+        final_train_loss=result.final_train_loss,
+        samples_per_s=result.samples_per_s,
+        skipped_steps=result.skipped_steps,
+        worker_samples_per_s={r["rank"]: r["samples_per_s"] for r in live},
+        worker_final_train_loss={r["rank"]: r["final_train_loss"] for r in live},
+        lost_workers=lost,
+    )
+    records = [{"kind": "memory", **r["memory"]} for r in live if r["memory"]]
+    append_records(result.metrics, [*records, {"kind": "summary", **summary}])
+
+
 def strategy_options(config: TrainConfig, bundle: DatasetBundle | None) -> dict[str, Any]:
     """The engine's keywords from the config: the strategy's own options, what the run adds
     to them (``Engine.launch_options``), and the shared ones.
@@ -384,8 +410,11 @@ def write_memory(engine, metrics: MetricsWriter | None) -> list[dict[str, Any]]:
     """Gather every worker's memory ledger to rank 0, which writes one record per worker."""
     own = engine.memory.ledger.record()
     gathered = [own]
-    # Independent workers (ps) never wait on one another (a lost worker would hang it).
-    if comm.distributed() and not engine.independent_workers:
+    # Independent workers (ps) never wait on one another (a lost worker would hang it):
+    # the parent writes their records from every worker's report (``_write_independent``).
+    if engine.independent_workers:
+        return gathered
+    if comm.distributed():
         gathered = [None] * comm.world_size() if comm.rank() == 0 else None
         dist.gather_object(own, gathered, dst=0)
     if metrics:
@@ -539,8 +568,9 @@ def train_worker(
         **({engine.name: strategy_metrics} if strategy_metrics is not None else {}),
     }
     if metrics:
-        skip = ("rank", "memory")  # memory has its own records, one per worker
-        metrics.write("summary", **{k: v for k, v in report.items() if k not in skip})
+        if not engine.independent_workers:  # else the parent writes the run's summary
+            skip = ("rank", "memory")  # memory has its own records, one per worker
+            metrics.write("summary", **{k: v for k, v in report.items() if k not in skip})
         metrics.close()
     engine.close()
     return report

@@ -29,6 +29,7 @@ __all__ = [
     "chrome_trace",
     "measured_bubble",
     "measured_steps",
+    "median_step",
     "compact_ranges",
     "read_timeline",
     "theoretical_bubble",
@@ -264,13 +265,21 @@ def measured_bubble(timeline: Timeline, *, step: int | None = None, replica: int
     gradient all-reduce after the last backward fall outside the span. With ``step=None``
     the result is the median over all recorded steps but the first, which pays for
     warm-up (allocation, autotuning, first-touch communication); a single recorded step
-    is used as it is.
+    is used as it is. The median is the lower middle one of an even count, so that it is
+    one step's bubble: the step ``median_step`` names, which the report draws.
     """
     if step is not None:
         return bubble_of(*step_profile(timeline, step, replica))
-    return statistics.median(
-        bubble_of(*step_profile(timeline, s, replica)) for s in measured_steps(timeline, replica)
-    )
+    return median_step(timeline, replica)[1]
+
+
+def median_step(timeline: Timeline, replica: int = 0) -> tuple[int, float]:
+    """``(step, bubble)`` of the step whose bubble is the median over the measured steps
+    (the lower middle one of an even count; the earliest such step on a tie)."""
+    steps = measured_steps(timeline, replica)
+    bubbles = [(bubble_of(*step_profile(timeline, s, replica)), s) for s in steps]
+    bubble, step = sorted(bubbles)[(len(bubbles) - 1) // 2]
+    return step, bubble
 
 
 def measured_steps(timeline: Timeline, replica: int) -> list[int]:

@@ -1,9 +1,9 @@
 """Pictures and text for a pipeline run: ``paratrain report RUN_DIR``.
 
-Draws one step of the recorded timeline (a row per stage, forward and backward coloured,
-idle time left empty so the bubble shows), summarises the measured bubble next to the
-theory, and writes the Chrome/Perfetto trace beside them. The reading and measuring live
-in ``timeline``; this module only presents.
+Draws the median step of each replica's recorded timeline (a row per stage, forward and
+backward coloured, idle time left empty so the bubble shows), summarises the measured
+bubble next to the theory, and writes the Chrome/Perfetto trace beside them. The reading
+and measuring live in ``timeline``; this module only presents.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from paratrain.parallel.pipeline.timeline import (
     bubble_of,
     compact_ranges,
     measured_steps,
+    median_step,
     read_timeline,
     step_profile,
     theoretical_bubble,
@@ -26,7 +27,7 @@ from paratrain.parallel.pipeline.timeline import (
 )
 from paratrain.parallel.strategy import TIMELINE_FILE
 
-__all__ = ["draw_timeline", "report", "summarize"]
+__all__ = ["draw_timeline", "report", "summarize", "timeline_title"]
 
 _COLOURS = {"forward": "#4C8BD6", "backward": "#F28E2B"}
 _MIB = 1 << 20
@@ -34,10 +35,19 @@ _SUMMARY_SKIPS = {"kind", "stages", "micro_batches", "schedule", "replicas"}
 
 
 def draw_timeline(
-    timeline: Timeline, path: str | Path, *, step: int | None = None, replica: int = 0
+    timeline: Timeline,
+    path: str | Path,
+    *,
+    step: int | None = None,
+    replica: int | None = None,
 ) -> Path:
-    """Draw one step (default: the last) as a PNG: a row per stage, forward and backward
-    boxes labelled with their micro-batch, idle time left empty so the bubble shows."""
+    """Draw one step per replica as a PNG: a row per stage, forward and backward boxes
+    labelled with their micro-batch, idle time left empty so the bubble shows.
+
+    By default every replica is drawn (one panel each) at its median step, the step whose
+    bubble is the one ``summarize`` reports (``median_step``), so picture and text agree;
+    each panel's title names its step and replica. ``step``/``replica`` pick one.
+    """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -46,23 +56,72 @@ def draw_timeline(
         raise RuntimeError(
             'Drawing the pipeline timeline needs matplotlib: pip install "paratrain[report]".'
         ) from error
-    if step is None:
-        steps = timeline.steps(replica=replica)
-        if not steps:
-            raise TimelineError(
-                f"The timeline has no forward or backward events for replica {replica}."
-            )
-        step = steps[-1]
+    replicas = range(timeline.replicas) if replica is None else [replica]
+    chosen = [(r, step if step is not None else median_step(timeline, r)[0]) for r in replicas]
+    panel_height = 1.2 + 0.45 * timeline.stages
+    # Agg canvas on a bare Figure: no pyplot, so the caller's backend and figures stay as
+    # they were.
+    fig = Figure(figsize=(12, 0.5 + panel_height * len(chosen)), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(chosen), 1, squeeze=False)[:, 0]
+    labelled = []
+    for ax, (rep, drawn) in zip(axes, chosen, strict=True):
+        labelled.append((ax, _draw_step(ax, timeline, drawn, rep)))
+    axes[0].legend(
+        handles=[
+            Patch(color=_COLOURS["forward"], label="forward"),
+            Patch(color=_COLOURS["backward"], label="backward"),
+            Patch(facecolor="white", edgecolor="0.6", label="idle"),
+        ],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=3,
+        frameon=False,
+        fontsize=9,
+    )
+    # Labels only where they fit: the pixel width of a box is known once laid out.
+    fig.canvas.draw()
+    for ax, (events, t0, span_ms) in labelled:
+        px_per_ms = ax.get_window_extent().width / span_ms
+        for event in events:
+            label = str(event.micro)
+            if event.duration * 1e3 * px_per_ms >= 8 * len(label) + 4:
+                ax.text(
+                    (event.start - t0 + event.duration / 2) * 1e3,
+                    event.stage,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="#1a1a1a",
+                    clip_on=True,
+                )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def timeline_title(timeline: Timeline, step: int, replica: int) -> str:
+    """A panel's title: the pipeline's shape, the step drawn and its bubble against theory."""
+    theory = theoretical_bubble(timeline.stages, timeline.micro_batches)
+    median, _ = median_step(timeline, replica)
+    which = "the median step by bubble" if step == median else "a chosen step"
+    where = f", replica {replica} of {timeline.replicas}" if timeline.replicas > 1 else ""
+    return (
+        f"{timeline.schedule} pipeline: {timeline.stages} stages x {timeline.micro_batches} "
+        f"micro-batches (step {step}{where}, {which})\nbubble measured "
+        f"{bubble_of(*step_profile(timeline, step, replica)):.1%} vs theoretical "
+        f"(p-1)/(m+p-1) = {theory:.1%}"
+    )
+
+
+def _draw_step(ax, timeline: Timeline, step: int, replica: int):
+    """One step of one replica on ``ax``; returns what the box labels need."""
     events = timeline.step_events(step, replica=replica)
     span, busy = step_profile(timeline, step, replica)
     t0 = min(e.start for e in events)
     stages, span_ms = timeline.stages, span * 1e3
-
-    # Agg canvas on a bare Figure: no pyplot, so the caller's backend and figures stay as
-    # they were.
-    fig = Figure(figsize=(12, 1.7 + 0.45 * stages), dpi=120, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     for stage in range(stages):
         for kind in WORK_KINDS:  # one collection per row and colour: fast for long runs
             boxes = [
@@ -93,48 +152,8 @@ def draw_timeline(
             color="0.35",
             transform=ax.get_yaxis_transform(),
         )
-    theory = theoretical_bubble(stages, timeline.micro_batches)
-    where = f", replica {replica}" if timeline.replicas > 1 else ""
-    ax.set_title(
-        f"{timeline.schedule} pipeline: {stages} stages x {timeline.micro_batches} "
-        f"micro-batches (step {step}{where})\nbubble measured {bubble_of(span, busy):.1%} "
-        f"vs theoretical (p-1)/(m+p-1) = {theory:.1%}",
-        loc="left",
-        fontsize=10,
-    )
-    ax.legend(
-        handles=[
-            Patch(color=_COLOURS["forward"], label="forward"),
-            Patch(color=_COLOURS["backward"], label="backward"),
-            Patch(facecolor="white", edgecolor="0.6", label="idle"),
-        ],
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        ncol=3,
-        frameon=False,
-        fontsize=9,
-    )
-
-    # Labels only where they fit: the pixel width of a box is known once laid out.
-    fig.canvas.draw()
-    px_per_ms = ax.get_window_extent().width / span_ms
-    for event in events:
-        label = str(event.micro)
-        if event.duration * 1e3 * px_per_ms >= 8 * len(label) + 4:
-            ax.text(
-                (event.start - t0 + event.duration / 2) * 1e3,
-                event.stage,
-                label,
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="#1a1a1a",
-                clip_on=True,
-            )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    ax.set_title(timeline_title(timeline, step, replica), loc="left", fontsize=10)
+    return events, t0, span_ms
 
 
 # ---------------------------------------------------------------------------- report
@@ -168,7 +187,7 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
     all_steps = timeline.steps(replica=replica)
     steps = measured_steps(timeline, replica)
     profiles = [step_profile(timeline, s, replica) for s in steps]
-    measured = statistics.median(bubble_of(span, busy) for span, busy in profiles)
+    drawn, measured = median_step(timeline, replica)
     ratio = f"{measured / theory:.2f}" if theory > 0 else "n/a (one stage has no bubble)"
     if len(all_steps) > 1:
         over = (
@@ -182,6 +201,7 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
         _field(indent, "steps recorded", f"{len(all_steps)} ({compact_ranges(all_steps)})"),
         _field(indent, "measured bubble", f"{measured:.1%}  ({over})"),
         _field(indent, "measured/theory", ratio),
+        _field(indent, "drawn step", f"{drawn} (its bubble is the median; timeline.png)"),
     ]
     peaks = {s: b for (r, s), b in timeline.activation_peaks.items() if r == replica}
     header = f"{indent}  stage   busy ms/step   idle   fwd ms/micro   bwd ms/micro"

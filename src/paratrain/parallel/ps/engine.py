@@ -182,8 +182,8 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
 
     @classmethod
     def parameter_share(cls, workers: int, options: dict[str, Any]) -> None:
-        """Not modelled: ps keeps no memory ledger on its workers (``memory_per_device``
-        is refused), and its servers hold the optimizer state outside them."""
+        """Not modelled before launch (its servers hold the optimizer state outside the
+        workers); each worker's ledger measures what it holds once running."""
         return None
 
     @classmethod
@@ -311,6 +311,13 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             self._buffers = CopiedBuffers(self._layouts, self._shard_params)
         self.server_samples = 0
         """Samples whose gradients server 0 had applied at this worker's last push."""
+        # The worker's own memory: the model and its gradients (the optimizer state lives
+        # on the servers), activations, and the gloo transport's pull and push copies.
+        self.memory.watch(
+            self.model.parameters(),
+            model_state=self.model_state_bytes,
+            communication=self._buffers.buffer_bytes,
+        )
         self._closed = False
         self._finished = False
         self._claims: dict[str, int] = {}
@@ -343,22 +350,23 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         share_tgt = to_device(take_share(targets, self._rank, workers), self._device)
         self.model.train()
         self._buffers.clear_grads()
+        self.memory.begin_step(self.steps_taken)
         # The servers average the workers' pushes, so a summed loss is divided by the
         # global count over the workers (see ``loss_reduction``).
         totals = LossTotals(
             self.loss_fn, targets, share_tgt, parts=k, averaged_by=workers, device=self._device
         )
         loss_scale = self.precision.loss_factor()  # 1 but under fp16; servers average workers
-        for micro_in, micro_tgt in zip(
-            split_micro(share_in, k), split_micro(share_tgt, k), strict=True
-        ):
-            with self.precision.autocast(self._device):
+        micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
+        for index, (micro_in, micro_tgt) in enumerate(micro):
+            with self.memory.forward(index), self.precision.autocast(self._device):
                 loss = totals.add(self.loss_fn(call_model(self.model, micro_in), micro_tgt))
             if totals.summed:
                 scaled = loss / totals.divisor
             else:
                 scaled = loss if k == 1 else loss / k  # as single divides: fp32 bit for bit
             (scaled if loss_scale == 1.0 else scaled * loss_scale).backward()
+            self.memory.release(index)
         share_loss = float(totals.contribution())
         # fp16: this worker's own gradients decide, with no message (``synchronized=True``
         # skips the vote): no ps worker may wait on another, and it pushes only its own.
@@ -373,6 +381,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         self._last_compute_s = compute_s
         loss = self._push(samples // workers, share_loss, skipped=not carries)
         self.steps_taken += 1
+        self.memory.end_step()
         return self._step_stats(loss, samples // workers, self.link.bytes_sent - bytes_before)
 
     def _straggle(self, compute_s: float) -> None:

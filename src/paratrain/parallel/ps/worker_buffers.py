@@ -34,6 +34,11 @@ class CopiedBuffers:
         self._received = [layout.empty() for layout in self.layouts]
         self._packed = [layout.empty() for layout in self.layouts]
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the receive and pack buffers: copies beside the parameters and grads."""
+        flats = [t for group in (*self._received, *self._packed) for t in group]
+        return sum(t.numel() * t.element_size() for t in flats)
+
     def pull_payloads(self) -> list[list[torch.Tensor]] | None:
         """Receive buffers for each server's reply to a pull."""
         return self._received
@@ -88,6 +93,10 @@ class MappedBuffers:
 
     def _note_gradient(self, param: torch.Tensor) -> None:
         self._received.add(id(param))
+
+    def buffer_bytes(self) -> int:
+        """None beside the parameters and gradients: the regions are where they live."""
+        return 0
 
     def pull_payloads(self) -> None:
         return None  # the servers write the parameters in place

@@ -1,0 +1,137 @@
+"""A run folder's metrics, read once into what the report prints and draws.
+
+The text summary, the picture and the comparison table all take their figures from here,
+so they cannot disagree with each other; and the final figures come from the run's
+``summary`` record, the one the console summary was printed from, so they agree with it
+too (for ps that is the workers' summed throughput and their mean final loss, not worker
+0's share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paratrain.report import read_metrics
+
+__all__ = ["RunMetrics", "load_run"]
+
+
+@dataclass
+class RunMetrics:
+    """One run's records, by kind; ``time_s`` of train and eval records made continuous
+    across resumes (each attempt's writer starts its clock at 0)."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    workers: int | None
+    train: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    memory: dict[int, dict[str, Any]]
+    """The last ledger record of each worker, by worker."""
+    summary: dict[str, Any] | None
+    failures: list[str] = field(default_factory=list)
+    """Each failed attempt's sentence (``{"kind": "failed"}`` records, see resume.py)."""
+    display_name: str | None = None
+    """How tables and legends name the run; default: its folder's name."""
+
+    @property
+    def name(self) -> str:
+        return self.display_name or self.run_dir.name or str(self.run_dir)
+
+    @property
+    def strategy(self) -> str:
+        return str(self.config.get("strategy", "?"))
+
+    @property
+    def strategy_metrics(self) -> dict[str, Any] | None:
+        """What the strategy's ``run_metrics()`` reported (ps: pushes, staleness), if any."""
+        if self.summary is None:
+            return None
+        value = self.summary.get(self.strategy)
+        return value if isinstance(value, dict) else None
+
+    @property
+    def final_train_loss(self) -> float | None:
+        """The console's final train loss: the summary's, else the last logged."""
+        if self.summary is not None and self.summary.get("final_train_loss") is not None:
+            return float(self.summary["final_train_loss"])
+        return float(self.train[-1]["loss"]) if self.train else None
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        if self.summary is not None and self.summary.get("final_eval_loss") is not None:
+            return float(self.summary["final_eval_loss"])
+        return float(self.evals[-1]["eval_loss"]) if self.evals else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """The console's throughput (all workers'); None for a run that did not finish."""
+        if self.summary is None or self.summary.get("samples_per_s") is None:
+            return None
+        return float(self.summary["samples_per_s"])
+
+    @property
+    def per_step_throughput_is_share(self) -> bool:
+        """Whether the train records' samples/s are worker 0's share of the run's (workers
+        that never wait on each other each log their own pace)."""
+        return bool(self.summary and "worker_samples_per_s" in self.summary)
+
+    def best_loss(self) -> tuple[str, float, int, float] | None:
+        """``(which, loss, step, seconds)``: the lowest eval loss (train loss where the run
+        never evaluated), the step it was logged at and the wall time it took to reach it."""
+        kind, key, records = ("eval", "eval_loss", self.evals)
+        if not records:
+            kind, key, records = ("train", "loss", self.train)
+        if not records:
+            return None
+        best = min(records, key=lambda r: r[key])  # the first of equal losses: the earliest
+        return kind, float(best[key]), int(best["step"]), float(best["time_s"])
+
+    @property
+    def has_accuracy(self) -> bool:
+        return any("accuracy" in r for r in (*self.train, *self.evals))
+
+
+def load_run(run_dir: str | Path) -> RunMetrics:
+    """Read ``run_dir/metrics.jsonl``; refuses a folder without one in one sentence."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} holds no metrics.jsonl; pass the folder of a paratrain run."
+        )
+    records = read_metrics(path)
+    configs = [r for r in records if r["kind"] == "config"]
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    memory: dict[int, dict[str, Any]] = {}
+    summary = None
+    failures: list[str] = []
+    offset = last = 0.0
+    for record in records:
+        kind = record["kind"]
+        if kind == "config" and record is not configs[0]:
+            offset = last  # a resumed attempt's clock starts at 0 again
+        elif kind in ("train", "eval"):
+            if "time_s" in record:  # absent in files written before it was logged
+                last = offset + float(record["time_s"])
+            (train if kind == "train" else evals).append({**record, "time_s": last})
+        elif kind == "memory":
+            memory[int(record["worker"])] = record
+        elif kind == "summary":
+            summary = record
+        elif kind == "failed":
+            failures.append(str(record.get("error", "")))
+    first = configs[0] if configs else {}
+    return RunMetrics(
+        run_dir=run_dir,
+        config=first.get("config", {}),
+        workers=first.get("workers"),
+        train=train,
+        evals=evals,
+        memory=dict(sorted(memory.items())),
+        summary=summary,
+        failures=failures,
+    )
