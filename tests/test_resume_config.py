@@ -155,13 +155,13 @@ def test_a_failed_run_leaves_no_empty_folder_and_marks_a_logged_one(tmp_path):
     settle_failed_run(existing, error, created=False)
     assert read_metrics(existing / "metrics.jsonl")[0]["kind"] == "failed"
     # and `paratrain report` says so
-    (logged / "metrics.jsonl").write_text(
+    (existing / "metrics.jsonl").write_text(
         json.dumps({"kind": "config", "config": {"model": "mlp"}})
         + "\n"
-        + (logged / "metrics.jsonl").read_text()
+        + (existing / "metrics.jsonl").read_text()
     )
     assert "failed              worker 1 failed: RuntimeError: boom" in summarize_run(
-        load_run(logged)
+        load_run(existing)
     )
 
 
