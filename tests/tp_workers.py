@@ -1,0 +1,123 @@
+"""Worker functions for tests/test_tp.py (spawned workers import them by name)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.workers import parity_batches, parity_optimizer
+
+STEPS = 10
+GPT = {"vocab_size": 11, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
+UPDOWN_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
+class UpDownBlock(nn.Module):
+    """A user's residual block: LayerNorm, up, ReLU, down (no reference model's class)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class UpDownNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList([UpDownBlock(16, 32) for _ in range(2)])
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def build(kind: str) -> nn.Module:
+    """fp32 models without dropout, identical from the seed on every rank."""
+    from paratrain.models import build_model
+
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return build_model("mlp", in_features=12, hidden=24, depth=2, classes=5)
+    if kind == "gpt":
+        return build_model("gpt", **GPT)
+    return UpDownNet()
+
+
+def batches(kind: str, steps: int = STEPS):
+    if kind != "gpt":
+        return parity_batches("mlp", steps)
+    generator = torch.Generator().manual_seed(99)
+    shape = (8, GPT["block_size"])
+    return [
+        (
+            torch.randint(0, 11, shape, generator=generator),
+            torch.randint(0, 11, shape, generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, **options):
+    import paratrain
+    from paratrain.models import loss_for
+
+    if strategy == "tp" and kind == "updown":
+        options.setdefault("tp_plan", UPDOWN_PLAN)
+    return paratrain.setup(
+        build(kind),
+        optimizer=parity_optimizer(opt),
+        loss_fn=loss_for("gpt" if kind == "gpt" else "mlp"),
+        strategy=strategy,
+        gradient_accumulation=accumulation,
+        **options,
+    )
+
+
+def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options):
+    """10 steps; returns (state, losses, all-reduces forward and backward per step)."""
+    from paratrain.parallel.tp import mappings
+
+    run = engine(strategy, kind, opt, accumulation, **options)
+    before = dict(mappings.CALLS)
+    losses = [run.train_step(x, y).loss for x, y in batches(kind)]
+    calls = {d: (mappings.CALLS[d] - before.get(d, 0)) / STEPS for d in ("forward", "backward")}
+    return run.state_dict(), losses, calls
+
+
+def parity_worker(cases: list[tuple]) -> list | None:
+    """Every case under tp in one launch; rank 0 returns the results."""
+    from paratrain.runtime import comm
+
+    results = [train("tp", *case) for case in cases]
+    return results if comm.rank() == 0 else None
+
+
+def checkpoint_worker(kind: str, opt: str, saved: str, single_dir: str) -> dict | None:
+    """tp: 3 steps, save ``saved``, 2 more steps; then a fresh tp loads the single
+    engine's checkpoint ``single_dir`` and takes the same 2 steps; then dp loads
+    ``saved`` and does too. Returns the three final states (rank 0)."""
+    from paratrain.runtime import comm
+
+    data = batches(kind, 5)
+    run = engine("tp", kind, opt)
+    for x, y in data[:3]:
+        run.train_step(x, y)
+    run.save_checkpoint(saved)
+    for x, y in data[3:]:
+        run.train_step(x, y)
+    out = {"tp": run.state_dict()}
+    for name, strategy, path in (("single_to_tp", "tp", single_dir), ("tp_to_dp", "dp", saved)):
+        other = engine(strategy, kind, opt)
+        other.load_checkpoint(path)
+        for x, y in data[3:]:
+            other.train_step(x, y)
+        out[name] = other.state_dict()
+    return out if comm.rank() == 0 else None
