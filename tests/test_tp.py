@@ -35,7 +35,10 @@ CASES = [
     ("gpt", "adam", 1),
     ("updown", "sgd", 2),
     ("updown", "adam", 1),
+    ("updown", "sgd", 1, {"max_grad_norm": 0.1}),
 ]
+"""(model, optimizer, accumulation[, engine options]); the last clips: the norm adds the
+split slices' squares over the workers and counts the replicated gradients once."""
 PAIRS = {"mlp": 1, "gpt": 4, "updown": 2}
 """colwise/rowwise pairs per forward: mlp's hidden pair; gpt's attention and MLP in each
 of 2 blocks; the user model's up/down in each of 2 blocks."""
@@ -43,18 +46,20 @@ of 2 blocks; the user model's up/down in each of 2 blocks."""
 
 @pytest.fixture(scope="module")
 def references():
-    return {case: tp_workers.train("single", *case)[:2] for case in CASES}
+    return [tp_workers.train_case("single", case)[:2] for case in CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensor", [2, 4])
 def test_tp_equals_one_device_and_all_reduces_once_per_pair(references, tensor):
     results = paratrain.launch(tp_workers.parity_worker, devices=tensor, args=(CASES,))[0]
-    for case, (state, losses, calls) in zip(CASES, results, strict=True):
-        reference, reference_losses = references[case]
+    for case, (state, losses, calls), (reference, reference_losses) in zip(
+        CASES, results, references, strict=True
+    ):
         error = relative_error(state, reference)
         assert error <= TOLERANCE, f"{case} at tensor={tensor}: relative error {error:.2e}"
         assert losses == pytest.approx(reference_losses, rel=TOLERANCE), case
-        kind, _, accumulation = case
+        kind, _, accumulation = case[:3]
         assert calls["forward"] == PAIRS[kind] * accumulation, case
         # mlp's colwise layer takes the input batch, which needs no gradient: no all-reduce
         backward = 0 if kind == "mlp" else PAIRS[kind] * accumulation
@@ -63,11 +68,12 @@ def test_tp_equals_one_device_and_all_reduces_once_per_pair(references, tensor):
 
 def test_parameters_actually_change(references):
     """Guards parity against comparing untouched models."""
-    for case, (state, _) in references.items():
+    for case, (state, _) in zip(CASES, references, strict=True):
         initial = tp_workers.build(case[0]).state_dict()
         assert relative_error(state, initial) > 1e-3, case
 
 
+@pytest.mark.slow
 def test_checkpoints_load_tp_into_single_and_dp_and_single_into_tp(tmp_path):
     """Adam (moments must travel too): each path resumes 2 steps and equals the others."""
     kind, opt = "gpt", "adam"
@@ -79,7 +85,7 @@ def test_checkpoints_load_tp_into_single_and_dp_and_single_into_tp(tmp_path):
     for x, y in data[3:]:
         single.train_step(x, y)
     expected = single.state_dict()
-    out = paratrain.launch(
+    out, ledger = paratrain.launch(
         tp_workers.checkpoint_worker,
         devices=2,
         args=(kind, opt, str(tmp_path / "tp"), str(tmp_path / "single")),
@@ -96,6 +102,20 @@ def test_checkpoints_load_tp_into_single_and_dp_and_single_into_tp(tmp_path):
     for x, y in data[3:]:
         fresh.train_step(x, y)
     assert relative_error(fresh.state_dict(), expected) > 10 * TOLERANCE
+    # the ledger books this worker's slices: split layers at 1/2, the rest whole
+    plan = resolve_plan(tp_workers.build(kind), 2, None)
+    split = (*plan.attention, *plan.splits)
+    model = tp_workers.build(kind)
+    replicated_bias = {f"{name}.bias" for name, k in plan.splits.items() if k == "rowwise"}
+    replicated_bias |= {f"{name}.proj.bias" for name in plan.attention}
+    held = sum(
+        p.numel() * 4 // (1 if n in replicated_bias or not n.startswith(split) else 2)
+        for n, p in model.named_parameters()
+    )
+    assert ledger["parameters"] == held
+    assert ledger["gradients"] == held and ledger["optimizer"] == 2 * held + 4 * len(
+        list(model.parameters())
+    )
 
 
 def test_shard_spec_keeps_whole_heads_of_q_k_and_v():

@@ -92,18 +92,25 @@ def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options):
     return run.state_dict(), losses, calls
 
 
+def train_case(strategy: str, case: tuple):
+    """``train`` for a case (model, optimizer, accumulation[, engine options])."""
+    kind, opt, accumulation, *options = case
+    return train(strategy, kind, opt, accumulation, **(options[0] if options else {}))
+
+
 def parity_worker(cases: list[tuple]) -> list | None:
     """Every case under tp in one launch; rank 0 returns the results."""
     from paratrain.runtime import comm
 
-    results = [train("tp", *case) for case in cases]
+    results = [train_case("tp", case) for case in cases]
     return results if comm.rank() == 0 else None
 
 
 def checkpoint_worker(kind: str, opt: str, saved: str, single_dir: str) -> dict | None:
     """tp: 3 steps, save ``saved``, 2 more steps; then a fresh tp loads the single
     engine's checkpoint ``single_dir`` and takes the same 2 steps; then dp loads
-    ``saved`` and does too. Returns the three final states (rank 0)."""
+    ``saved`` and does too. Returns the three final states and the tp worker's ledger
+    after its last step (rank 0)."""
     from paratrain.runtime import comm
 
     data = batches(kind, 5)
@@ -114,10 +121,11 @@ def checkpoint_worker(kind: str, opt: str, saved: str, single_dir: str) -> dict 
     for x, y in data[3:]:
         run.train_step(x, y)
     out = {"tp": run.state_dict()}
+    ledger = dict(run.memory.ledger.current)
     for name, strategy, path in (("single_to_tp", "tp", single_dir), ("tp_to_dp", "dp", saved)):
         other = engine(strategy, kind, opt)
         other.load_checkpoint(path)
         for x, y in data[3:]:
             other.train_step(x, y)
         out[name] = other.state_dict()
-    return out if comm.rank() == 0 else None
+    return (out, ledger) if comm.rank() == 0 else None

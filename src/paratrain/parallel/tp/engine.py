@@ -94,9 +94,9 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
     @classmethod
     def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
         return [
-            f"mesh: {metrics['tensor']} tensor; parameters per worker "
-            f"{metrics['parameters_per_worker']:,} of {metrics['parameters']:,} "
-            f"({metrics['plan']})"
+            f"  mesh              {metrics['tensor']} tensor ({metrics['plan']})",
+            f"  parameters/worker {metrics['parameters_per_worker']:,} of "
+            f"{metrics['parameters']:,} (split layers 1/{metrics['tensor']} each)",
         ]
 
     def __init__(
