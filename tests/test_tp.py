@@ -16,6 +16,12 @@ same 1e-5 relative.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -36,12 +42,15 @@ CASES = [
     ("updown", "sgd", 2),
     ("updown", "adam", 1),
     ("updown", "sgd", 1, {"max_grad_norm": 0.1}),
+    ("gpt", "adam", 2, {"tp_plan": tp_workers.GPT_VOCAB_PLAN}),
 ]
-"""(model, optimizer, accumulation[, engine options]); the last clips: the norm adds the
-split slices' squares over the workers and counts the replicated gradients once."""
+"""(model, optimizer, accumulation[, engine options]); the clipped case checks that the
+norm adds the split slices' squares over the workers and counts the replicated gradients
+once; the last splits gpt's token embedding by rows too (tp only: single has no plan)."""
 PAIRS = {"mlp": 1, "gpt": 4, "updown": 2}
 """colwise/rowwise pairs per forward: mlp's hidden pair; gpt's attention and MLP in each
-of 2 blocks; the user model's up/down in each of 2 blocks."""
+of 2 blocks; the user model's up/down in each of 2 blocks. A vocab embedding adds one
+forward all-reduce (its rows summed) and none backward."""
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +69,8 @@ def test_tp_equals_one_device_and_all_reduces_once_per_pair(references, tensor):
         assert error <= TOLERANCE, f"{case} at tensor={tensor}: relative error {error:.2e}"
         assert losses == pytest.approx(reference_losses, rel=TOLERANCE), case
         kind, _, accumulation = case[:3]
-        assert calls["forward"] == PAIRS[kind] * accumulation, case
+        vocab = int("tp_plan" in (case[3:] or [{}])[0] and kind == "gpt")
+        assert calls["forward"] == (PAIRS[kind] + vocab) * accumulation, case
         # mlp's colwise layer takes the input batch, which needs no gradient: no all-reduce
         backward = 0 if kind == "mlp" else PAIRS[kind] * accumulation
         assert calls["backward"] == backward, case
@@ -116,6 +126,28 @@ def test_checkpoints_load_tp_into_single_and_dp_and_single_into_tp(tmp_path):
     assert ledger["gradients"] == held and ledger["optimizer"] == 2 * held + 4 * len(
         list(model.parameters())
     )
+
+
+@pytest.mark.slow
+def test_readme_example_runs_as_printed(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    found = re.search(r"<!-- readme-example: tp_example.py -->\n```python\n(.*?)```", text, re.S)
+    assert found, "README.md lost its marked tp_example.py example"
+    printed = re.search(r"```\n\nprints `(.*?)`", text[found.end() - 3 :]).group(1)
+    (tmp_path / "tp_example.py").write_text(found.group(1))
+    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root}"}
+    completed = subprocess.run(
+        [sys.executable, "tp_example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip() == printed
 
 
 def test_shard_spec_keeps_whole_heads_of_q_k_and_v():

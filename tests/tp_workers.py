@@ -8,8 +8,15 @@ from torch import nn
 from tests.workers import parity_batches, parity_optimizer
 
 STEPS = 10
-GPT = {"vocab_size": 11, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
+GPT = {"vocab_size": 12, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
 UPDOWN_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+GPT_VOCAB_PLAN = {
+    "0.token": "vocab",
+    "*.qkv": "colwise",
+    "*.attn.proj": "rowwise",
+    "*.fc": "colwise",
+    "*.mlp.proj": "rowwise",
+}
 
 
 class UpDownBlock(nn.Module):
@@ -58,8 +65,8 @@ def batches(kind: str, steps: int = STEPS):
     shape = (8, GPT["block_size"])
     return [
         (
-            torch.randint(0, 11, shape, generator=generator),
-            torch.randint(0, 11, shape, generator=generator),
+            torch.randint(0, 12, shape, generator=generator),
+            torch.randint(0, 12, shape, generator=generator),
         )
         for _ in range(steps)
     ]
@@ -71,6 +78,8 @@ def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, **options)
 
     if strategy == "tp" and kind == "updown":
         options.setdefault("tp_plan", UPDOWN_PLAN)
+    if strategy != "tp":
+        options.pop("tp_plan", None)
     return paratrain.setup(
         build(kind),
         optimizer=parity_optimizer(opt),
