@@ -43,11 +43,14 @@ CASES = [
     ("updown", "adam", 1),
     ("updown", "sgd", 1, {"max_grad_norm": 0.1}),
     ("gpt", "adam", 2, {"tp_plan": tp_workers.GPT_VOCAB_PLAN}),
+    ("updown_dropout", "sgd", 1),
 ]
 """(model, optimizer, accumulation[, engine options]); the clipped case checks that the
 norm adds the split slices' squares over the workers and counts the replicated gradients
-once; the last splits gpt's token embedding by rows too (tp only: single has no plan)."""
-PAIRS = {"mlp": 1, "gpt": 4, "updown": 2}
+once; then gpt's token embedding split by rows too (tp only: single has no plan); the
+last has dropout on the replicated block outputs and seeds every worker differently
+(rank 0 as single): equal only if the tensor group draws one stream, rank 0's."""
+PAIRS = {"mlp": 1, "gpt": 4, "updown": 2, "updown_dropout": 2}
 """colwise/rowwise pairs per forward: mlp's hidden pair; gpt's attention and MLP in each
 of 2 blocks; the user model's up/down in each of 2 blocks. A vocab embedding adds one
 forward all-reduce (its rows summed) and none backward."""

@@ -22,21 +22,22 @@ GPT_VOCAB_PLAN = {
 class UpDownBlock(nn.Module):
     """A user's residual block: LayerNorm, up, ReLU, down (no reference model's class)."""
 
-    def __init__(self, width: int, hidden: int) -> None:
+    def __init__(self, width: int, hidden: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, hidden)
         self.down = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(dropout)  # on the replicated output: one mask per group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
+        return x + self.drop(self.down(torch.relu(self.up(self.norm(x)))))
 
 
 class UpDownNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.inp = nn.Linear(12, 16)
-        self.blocks = nn.ModuleList([UpDownBlock(16, 32) for _ in range(2)])
+        self.blocks = nn.ModuleList([UpDownBlock(16, 32, dropout) for _ in range(2)])
         self.out = nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,7 @@ def build(kind: str) -> nn.Module:
         return build_model("mlp", in_features=12, hidden=24, depth=2, classes=5)
     if kind == "gpt":
         return build_model("gpt", **GPT)
-    return UpDownNet()
+    return UpDownNet(dropout=0.2 if kind == "updown_dropout" else 0.0)
 
 
 def batches(kind: str, steps: int = STEPS):
@@ -75,13 +76,17 @@ def batches(kind: str, steps: int = STEPS):
 def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, **options):
     import paratrain
     from paratrain.models import loss_for
+    from paratrain.runtime import comm
 
-    if strategy == "tp" and kind == "updown":
+    if strategy == "tp" and kind.startswith("updown"):
         options.setdefault("tp_plan", UPDOWN_PLAN)
     if strategy != "tp":
         options.pop("tp_plan", None)
+    model = build(kind)
+    if kind == "updown_dropout":  # every worker another stream: tp must make them one
+        torch.manual_seed(comm.rank())
     return paratrain.setup(
-        build(kind),
+        model,
         optimizer=parity_optimizer(opt),
         loss_fn=loss_for("gpt" if kind == "gpt" else "mlp"),
         strategy=strategy,

@@ -41,6 +41,7 @@ from paratrain.parallel.tp.apply import apply_plan
 from paratrain.parallel.tp.checkpoint import TensorCheckpointState
 from paratrain.parallel.tp.options import TENSOR
 from paratrain.parallel.tp.plan import resolve_plan
+from paratrain.parallel.tp.rng import share_stream
 from paratrain.runtime import comm
 
 
@@ -129,6 +130,7 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
         model = model.to(self._device)
         # every slice is cut from rank 0's model, so the slices make one model
         comm.broadcast_tensors([*model.parameters(), *model.buffers()], group=self.group)
+        share_stream(self._device, group=self.group)  # replicated activations' dropout alike
         self.plan = resolve_plan(model, self.tensor, tp_plan)
         self.specs = apply_plan(
             model, self.plan, rank=self.tensor_rank, tensor=self.tensor, group=self.group
@@ -183,6 +185,12 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
         if grads:
             torch._foreach_mul_(grads, clip_coefficient(total, max_norm).to(grads[0].device))
         return float(total)
+
+    def load_checkpoint(self, path):
+        """As every engine's, then the tensor group's stream made one again (``rng``)."""
+        checkpoint = super().load_checkpoint(path)
+        share_stream(self._device, group=self.group)
+        return checkpoint
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:
