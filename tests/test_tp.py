@@ -79,6 +79,32 @@ def test_tp_equals_one_device_and_all_reduces_once_per_pair(references, tensor):
         assert calls["backward"] == backward, case
 
 
+DATA_BY_TENSOR = [
+    ("mlp", "sgd", 2, {"tensor": 2}),
+    ("gpt", "adam", 1, {"tensor": 2}),
+    ("updown", "adam", 2, {"tensor": 2, "max_grad_norm": 0.1}),
+]
+"""2 replicas x 2 tensor on 4 workers: each replica half the batch, gradients (slices and
+whole) averaged over the data groups; the clipped case sums the slices' squares over the
+tensor group only (the replicas hold the same gradients by then)."""
+
+
+@pytest.mark.slow
+def test_data_by_tensor_equals_one_device():
+    references = [
+        tp_workers.train_case("single", (*case[:3], {**case[3], "tensor": None}))[:2]
+        for case in DATA_BY_TENSOR
+    ]
+    results = paratrain.launch(tp_workers.parity_worker, devices=4, args=(DATA_BY_TENSOR,))[0]
+    for case, (state, losses, calls), (reference, reference_losses) in zip(
+        DATA_BY_TENSOR, results, references, strict=True
+    ):
+        error = relative_error(state, reference)
+        assert error <= TOLERANCE, f"{case}: relative error {error:.2e}"
+        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), case
+        assert calls["forward"] == PAIRS[case[0]] * case[2], case  # per worker, per micro-batch
+
+
 def test_parameters_actually_change(references):
     """Guards parity against comparing untouched models."""
     for case, (state, _) in zip(CASES, references, strict=True):
@@ -219,8 +245,13 @@ def test_the_plan_is_found_for_the_reference_models_and_kept_by_a_user_plan():
     assert sorted(user.splits) == ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
 
 
-def test_check_run_refuses_data_by_tensor_for_now():
-    run = RunSpec(devices=4, global_batch=8, options={"tensor": 2})
-    with pytest.raises(ValueError, match="not yet available"):
-        strategy_class("tp").check_run(run)
-    strategy_class("tp").check_run(RunSpec(devices=2, global_batch=8, options={"tensor": 2}))
+def test_check_run_takes_tensor_groups_that_divide_the_workers():
+    tp = strategy_class("tp")
+    tp.check_run(RunSpec(devices=4, global_batch=8, options={"tensor": 2}))
+    assert tp.replicas(4, {"tensor": 2}) == 2 and tp.replicas(4, {}) == 1
+    with pytest.raises(ValueError, match="tensor=3 does not divide 4 workers"):
+        tp.check_run(RunSpec(devices=4, global_batch=8, options={"tensor": 3}))
+    with pytest.raises(ValueError, match="tensor=1 splits no layer"):
+        tp.check_run(RunSpec(devices=4, global_batch=8, options={"tensor": 1}))
+    with pytest.raises(ValueError, match="global batch"):
+        tp.check_run(RunSpec(devices=4, global_batch=5, options={"tensor": 2}))

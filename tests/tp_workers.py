@@ -80,8 +80,9 @@ def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, **options)
 
     if strategy == "tp" and kind.startswith("updown"):
         options.setdefault("tp_plan", UPDOWN_PLAN)
-    if strategy != "tp":
+    if strategy != "tp":  # the reference takes neither
         options.pop("tp_plan", None)
+        options.pop("tensor", None)
     model = build(kind)
     if kind == "updown_dropout":  # every worker another stream: tp must make them one
         torch.manual_seed(comm.rank())

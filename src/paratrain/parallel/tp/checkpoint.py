@@ -2,12 +2,12 @@
 
 A split parameter's slices are gathered (an all-gather over the tensor group, so every
 worker calls) and joined by its ``ShardSpec`` into the tensor the single-device model
-has; rank 0 writes. Loading reads each tensor by name and keeps this rank's slice. The
-optimizer state follows its parameter: a value shaped like the slice (Adam's moments,
-SGD's momentum buffer) is cut and joined as the parameter is; anything else (Adam's
-``step``) is the same on every rank and passes whole. So a tp checkpoint loads into
-``single``, ``dp`` or any other engine, and theirs into tp, at any tensor degree that
-divides the widths.
+has; rank 0 writes (the replicas hold the same state). Loading reads each tensor by name
+and keeps this rank's slice. The optimizer state follows its parameter: a value shaped
+like the slice (Adam's moments, SGD's momentum buffer) is cut and joined as the
+parameter is; anything else (Adam's ``step``) is the same on every rank and passes
+whole. So a tp checkpoint loads into ``single``, ``dp`` or any other engine, and theirs
+into tp, at any tensor degree that divides the widths.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def _elementwise(value: Any, shape: torch.Size, key: str) -> bool:
 
 class TensorCheckpointState(ShardedCheckpointState):
     """The checkpoint and state-dict hooks of the tp engine, which holds ``model`` (split
-    in place), ``specs`` (``ShardSpec`` by parameter name), ``tensor_rank``, ``group``
-    and ``optimizer``."""
+    in place), ``specs`` (``ShardSpec`` by parameter name), ``tensor_rank``,
+    ``tensor_group`` and ``optimizer``."""
 
     model: nn.Module
     specs: dict[str, ShardSpec]
     tensor_rank: int
-    group: Any
+    tensor_group: Any
     optimizer: torch.optim.Optimizer | None
 
     def _gathered(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ class TensorCheckpointState(ShardedCheckpointState):
         spec = self.specs[name]
         flat = local.detach().contiguous().reshape(-1)
         out = flat.new_empty(flat.numel() * spec.parts)
-        comm.all_gather_flat(out, flat, group=self.group)
+        comm.all_gather_flat(out, flat, group=self.tensor_group)
         return spec.join([piece.view_as(local) for piece in out.chunk(spec.parts)]).cpu()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -8,10 +8,11 @@ every worker, so no gradient all-reduce is needed and none is double counted. A
 colwise/rowwise pair costs one all-reduce of its output forward and one of its input's
 gradient backward.
 
-The mesh: for now the tensor group is the whole job (``tensor`` equal to the worker
-count); data x tensor, and compositions with zero and the pipeline, are refused until
-they are built. When they are, tensor is the innermost dimension (a tensor group on
-neighbouring ranks, as on one node's NVLink).
+The mesh (``mesh``): ``tensor`` workers split each layer (all of them by default); where
+``tensor`` is smaller, the workers form ``replicas x tensor`` with tensor innermost, each
+replica takes its share of the global batch as in dp, and every parameter's gradient (a
+slice or a whole one) is averaged over its data group by dp's bucketed all-reduce, which
+also carries the loss. Compositions with zero and the pipeline are not built yet.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
+from paratrain.parallel.batching import batch_size, check_divisible, split_micro
+from paratrain.parallel.buffer_sync import buffer_broadcast
 from paratrain.parallel.clipping import clip_coefficient, squared_norm
+from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
-from paratrain.parallel.loss_reduction import LossTotals, loss_value
+from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import register
+from paratrain.parallel.replica_rng import separate_streams
+from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.strategy import (
     Engine,
     LossFn,
@@ -39,34 +44,25 @@ from paratrain.parallel.strategy import (
 from paratrain.parallel.tp import mappings
 from paratrain.parallel.tp.apply import apply_plan
 from paratrain.parallel.tp.checkpoint import TensorCheckpointState
+from paratrain.parallel.tp.mesh import check_mesh, tensor_mesh
 from paratrain.parallel.tp.options import TENSOR
 from paratrain.parallel.tp.plan import resolve_plan
 from paratrain.parallel.tp.rng import share_stream
 from paratrain.runtime import comm
 
 
-def check_mesh(devices: int, tensor: int | None) -> int:
-    """The tensor degree (all devices when None); anything but all of them is refused."""
-    tensor = devices if tensor is None else tensor
-    if tensor != devices:
-        raise ValueError(
-            f"tensor={tensor} over {devices} workers (data x tensor) is not yet available; "
-            f"pass tensor={devices} (every worker), or run on {tensor} workers."
-        )
-    return tensor
-
-
 @register("tp")
-class TensorParallelEngine(TensorCheckpointState, Engine):
-    """Split layers over every worker; each worker runs the whole batch.
+class TensorParallelEngine(TensorCheckpointState, ReplicaShare, Engine):
+    """Split layers over each tensor group; each group runs its replica's share.
 
     Options: ``tensor`` (workers each split layer is spread over; every worker by
-    default, the only degree available yet), ``tp_plan`` (``setup`` only: fnmatch
+    default; fewer makes ``workers / tensor`` replicas), ``bucket_mb`` (the replicas'
+    gradient all-reduce buckets, as dp's), ``tp_plan`` (``setup`` only: fnmatch
     patterns over module names -> "colwise", "rowwise", "vocab" or "replicate"; without
     it the plan is found, see ``plan``).
     """
 
-    options = (TENSOR,)
+    options = (TENSOR,)  # bucket_mb: a keyword of setup only, for now
 
     @classmethod
     def replicas(cls, devices: int, options: dict[str, Any]) -> int:
@@ -95,7 +91,7 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
     @classmethod
     def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
         return [
-            f"  mesh              {metrics['tensor']} tensor ({metrics['plan']})",
+            f"  mesh              {metrics['mesh']} ({metrics['plan']})",
             f"  parameters/worker {metrics['parameters_per_worker']:,} of "
             f"{metrics['parameters']:,} (split layers 1/{metrics['tensor']} each)",
         ]
@@ -112,6 +108,7 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
         max_grad_norm: float | None = None,
         tensor: int | None = None,
         tp_plan: dict[str, str] | None = None,
+        bucket_mb: float = 25.0,
     ) -> None:
         super().__init__(
             model,
@@ -123,53 +120,80 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
-        self.tensor = check_mesh(comm.world_size(), tensor)
-        self.group = None  # the whole job, while tensor is every worker
-        self.tensor_rank = comm.rank(self.group)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, not {bucket_mb}.")
+        self.mesh = tensor_mesh(tensor)
+        self.tensor, self.tensor_rank = self.mesh.tensor, self.mesh.tensor_rank
+        self.tensor_group = self.mesh.tensor_group
+        # ReplicaShare's names: the replicas split the batch over the data group
+        self.group, self._replicas = self.mesh.data_group, self.mesh.replicas
+        self._replica_rank = self.mesh.replica
         self._parameters = sum(p.numel() for p in model.parameters())
         model = model.to(self._device)
         # every slice is cut from rank 0's model, so the slices make one model
-        comm.broadcast_tensors([*model.parameters(), *model.buffers()], group=self.group)
-        share_stream(self._device, group=self.group)  # replicated activations' dropout alike
+        comm.broadcast_tensors([*model.parameters(), *model.buffers()])
+        separate_streams()  # each worker its own stream, then each tensor group one
+        share_stream(self._device, group=self.tensor_group)
         self.plan = resolve_plan(model, self.tensor, tp_plan)
         self.specs = apply_plan(
-            model, self.plan, rank=self.tensor_rank, tensor=self.tensor, group=self.group
+            model, self.plan, rank=self.tensor_rank, tensor=self.tensor, group=self.tensor_group
         )
         self.model = model
+        self.buffer_sync = buffer_broadcast(model, group=self.group, enabled=self._replicas > 1)
+        self.reducer: BucketedGradientReducer | None = None
+        if self._replicas > 1:
+            bucket = int(bucket_mb * MiB)
+            self.reducer = BucketedGradientReducer(
+                list(model.parameters()),
+                group=self.group,
+                bucket_bytes=bucket,
+                first_bucket_bytes=bucket,
+            )
         self.optimizer = optimizer_from_factory(optimizer, self.model.named_parameters())
         self.memory.watch(self.model.parameters(), model_state=self.model_state_bytes)
 
     @property
     def world_size(self) -> int:
-        return self.tensor
+        return self.tensor * self._replicas
 
     def train_step(self, inputs: Any, targets: Any) -> StepStats:
         samples = batch_size(inputs)
-        k = self.gradient_accumulation
-        check_divisible(samples, replicas=1, micro_batches=k)
+        replicas, k = self._replicas, self.gradient_accumulation
+        check_divisible(samples, replicas=replicas, micro_batches=k)
         bytes_before = comm.bytes_sent()
+        share_in, share_tgt = self._share(inputs), self._share(targets)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.reducer is not None:
+            self.reducer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         self.memory.begin_step(self.steps_taken)
-        inputs, targets = to_device(inputs, self._device), to_device(targets, self._device)
-        totals = LossTotals(self.loss_fn, targets, targets, parts=k, device=self._device)
-        micro = zip(split_micro(inputs, k), split_micro(targets, k), strict=True)
+        totals = LossTotals(
+            self.loss_fn, targets, share_tgt, parts=k * replicas, device=self._device
+        )
+        backward_scale = self.precision.loss_factor(1.0 / (k * replicas))
+        self._sync_buffers(training=True)
+        micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             with self.memory.forward(index), self.precision.autocast(self._device):
                 loss = totals.add(self.loss_fn(call_model(self.model, micro_in), micro_tgt))
-            scaled = loss / totals.divisor  # a mean by k, a sum by the global count
-            (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
+            if self.reducer is not None and index == k - 1:
+                self.reducer.arm(extras=totals.contribution())  # rides in the last bucket
+            totals.scaled(loss, backward_scale, self.precision.loss_factor()).backward()
             self.memory.release(index)
+        if self.reducer is not None:
+            mean_loss = float(self.reducer.finish(extras_count=1)[0])
+        else:
+            mean_loss = float(totals.contribution())
         grads = (p.grad for p in self.model.parameters())
         # split gradients differ between workers: the overflow vote is a message (fp16)
-        if self.precision.unscale_and_check(grads, group=self.group):
+        if self.precision.unscale_and_check(grads):
             if self.max_grad_norm is not None:
                 self._grad_norm = self._clip(self.max_grad_norm)
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()
-        sent = comm.bytes_sent() - bytes_before
-        return self._step_stats(float(totals.contribution()), samples, sent)
+        return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
 
     def _clip(self, max_norm: float) -> float:
         """The whole model's gradient norm: a split parameter's slices add their squares
@@ -179,7 +203,7 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
             if param.grad is not None:
                 (split if name in self.specs else whole).append(param.grad)
         squares = squared_norm(split, device=self._device).reshape(1)
-        comm.all_reduce_sum(squares, group=self.group)
+        comm.all_reduce_sum(squares, group=self.tensor_group)
         total = torch.sqrt(squares[0] + squared_norm(whole, device=self._device)).float()
         grads = split + whole
         if grads:
@@ -189,33 +213,21 @@ class TensorParallelEngine(TensorCheckpointState, Engine):
     def load_checkpoint(self, path):
         """As every engine's, then the tensor group's stream made one again (``rng``)."""
         checkpoint = super().load_checkpoint(path)
-        share_stream(self._device, group=self.group)
+        share_stream(self._device, group=self.tensor_group)
         return checkpoint
-
-    @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: Any) -> float:
-        was_training = self.model.training
-        self.model.eval()
-        with self.precision.autocast(self._device):
-            result = self.loss_fn(
-                call_model(self.model, to_device(inputs, self._device)),
-                to_device(targets, self._device),
-            )
-        self.model.train(was_training)
-        return loss_value(result)
-
-    def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
-        """Every worker saw the whole batch: its own sums are the batch's."""
-        return sums
 
     def run_metrics(self) -> dict[str, Any]:
         return {
             "tensor": self.tensor,
+            "mesh": self.mesh.describe(),
             "parameters": self._parameters,
             "parameters_per_worker": sum(p.numel() for p in self.model.parameters()),
             "plan": self.plan.describe(),
             "tensor_all_reduces": dict(mappings.CALLS),
         }
 
+    def writes_shard(self) -> bool:
+        return comm.rank() == 0
+
     def layout(self) -> dict[str, Any]:
-        return {**super().layout(), "tensor": self.tensor}
+        return {**super().layout(), "tensor": self.tensor, "replicas": self._replicas}
