@@ -150,7 +150,24 @@ class TensorParallelEngine(TensorCheckpointState, ReplicaShare, Engine):
                 first_bucket_bytes=bucket,
             )
         self.optimizer = optimizer_from_factory(optimizer, self.model.named_parameters())
-        self.memory.watch(self.model.parameters(), model_state=self.model_state_bytes)
+        self.memory.watch(
+            self.model.parameters(),
+            model_state=self.model_state_bytes,
+            communication=self._loss_slot_bytes,
+        )
+
+    def _loss_slot_bytes(self) -> int:
+        """Bytes of the slot the loss rides in, in the replicas' last bucket (as dp's)."""
+        if self.reducer is None:
+            return 0
+        return sum(b.extra_slots * b.buffer.element_size() for b in self.reducer.buckets)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """As ``Engine``'s, with the loss slot left to communication buffers."""
+        state = super().model_state_bytes()
+        if state["gradients"]:
+            state["gradients"] -= self._loss_slot_bytes()
+        return state
 
     @property
     def world_size(self) -> int:
