@@ -96,3 +96,32 @@ def test_dp2_then_zero2x4_then_zero3x2_then_single_equals_uninterrupted(tmp_path
     assert losses + last == pytest.approx(reference_losses, rel=TOLERANCE)
     assert Checkpoint(c).manifest["layout"]["strategy"] == "zero3"
     assert Checkpoint(c).tensor("optim", "1.attn.qkv.weight/momentum_buffer").shape == (48, 16)
+
+
+@pytest.mark.slow
+def test_zero2_then_tp2_then_tp2x2_then_dp2_then_single_equals_uninterrupted(tmp_path):
+    """tp's split layers (gpt's qkv by heads of q, k and v, its MLP, with Adam's moments)
+    go out whole and come back in as slices, from and to flat ZeRO slices and replicas,
+    at tensor 2 alone and as 2 replicas x 2 tensor."""
+    kind, optimizer = "gpt", "adam"
+    reference, reference_losses = workers.train_with("single", kind, optimizer, 1)
+    a, b, c, d = (str(tmp_path / name) for name in ("a", "b", "c", "d"))
+    phases = [
+        ("zero2", {}, 2, (0, 3), None, a),
+        ("tp", {}, 2, (3, 5), a, b),
+        ("tp", {"tensor": 2}, 4, (5, 7), b, c),
+        ("dp", {}, 2, (7, 8), c, d),
+    ]
+    losses = []
+    for strategy, options, devices, steps, load_from, save_to in phases:
+        losses += paratrain.launch(
+            workers.checkpoint_phase,
+            devices=devices,
+            args=(strategy, options, kind, optimizer, steps, load_from, save_to),
+        )[0][1]
+    state, last = workers.checkpoint_phase("single", {}, kind, optimizer, (8, 10), d, None)
+    assert relative_error(state, reference) <= TOLERANCE
+    assert losses + last == pytest.approx(reference_losses, rel=1e-5)
+    layout = {"strategy": "tp", "world_size": 4, "tensor": 2, "replicas": 2}
+    assert Checkpoint(c).manifest["layout"] == layout
+    assert Checkpoint(c).tensor("optim", "1.attn.qkv.weight/exp_avg").shape == (48, 16)

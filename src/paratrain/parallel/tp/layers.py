@@ -1,0 +1,93 @@
+"""The split layers: each holds its rank's slice and says how it was cut (``shard_specs``).
+
+They keep the replaced module's parameter names (``weight``, ``bias``), so the model's
+state-dict keys do not change, and its forward's meaning:
+
+- ``ColwiseLinear``: output features split; forward ``f`` then the local matmul, so its
+  output is this rank's slice of the features (an elementwise op after it stays local).
+  Its bias is split with the rows.
+- ``RowwiseLinear``: input features split (it takes a colwise layer's slice); the partial
+  products are summed by ``g`` and only then is the bias added, whole and replicated, so
+  the bias is counted once and its gradient (the whole output's) is exact on every rank.
+- ``VocabEmbedding``: rows (token ids) split; a rank looks up the ids it holds, zeros the
+  others, and ``g`` sums the ranks' rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from paratrain.parallel.tp.mappings import copy_to_tensor_group, reduce_from_tensor_group
+from paratrain.parallel.tp.shards import ShardSpec
+
+
+def _slice_parameter(full: torch.Tensor, spec: ShardSpec, rank: int) -> nn.Parameter:
+    return nn.Parameter(spec.take(full.detach(), rank), requires_grad=full.requires_grad)
+
+
+class ColwiseLinear(nn.Module):
+    """This rank's output features of a Linear (``blocks`` > 1: of each fused block)."""
+
+    def __init__(
+        self, linear: nn.Linear, *, rank: int, tensor: int, group: ProcessGroup | None, blocks=1
+    ) -> None:
+        super().__init__()
+        self.group = group
+        spec = ShardSpec(dim=0, parts=tensor, blocks=blocks)
+        self.shard_specs = {"weight": spec}
+        self.weight = _slice_parameter(linear.weight, spec, rank)
+        self.bias = None
+        if linear.bias is not None:
+            self.shard_specs["bias"] = spec
+            self.bias = _slice_parameter(linear.bias, spec, rank)
+        self.in_features = linear.in_features
+        self.out_features = self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_group(x, self.group), self.weight, self.bias)
+
+
+class RowwiseLinear(nn.Module):
+    """This rank's input features of a Linear; outputs summed, then the whole bias added."""
+
+    def __init__(
+        self, linear: nn.Linear, *, rank: int, tensor: int, group: ProcessGroup | None
+    ) -> None:
+        super().__init__()
+        self.group = group
+        spec = ShardSpec(dim=1, parts=tensor)
+        self.shard_specs = {"weight": spec}
+        self.weight = _slice_parameter(linear.weight, spec, rank)
+        self.bias = linear.bias  # replicated: added once, after the sum
+        self.in_features = self.weight.shape[1]
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_from_tensor_group(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows of an Embedding; ids outside them contribute zeros before the sum."""
+
+    def __init__(
+        self, embedding: nn.Embedding, *, rank: int, tensor: int, group: ProcessGroup | None
+    ) -> None:
+        super().__init__()
+        self.group = group
+        spec = ShardSpec(dim=0, parts=tensor)
+        self.shard_specs = {"weight": spec}
+        self.weight = _slice_parameter(embedding.weight, spec, rank)
+        rows = self.weight.shape[0]
+        self.start, self.end = rank * rows, (rank + 1) * rows
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_group(rows, self.group)

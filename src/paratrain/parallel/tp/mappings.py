@@ -1,0 +1,65 @@
+"""Megatron's two conjugate operators on the tensor group (``mappings.py`` there).
+
+``copy_to_tensor_group`` (``f``) sits before a column-split layer: every rank already holds
+the whole input, so forward is the identity; each rank's backward only sees the gradient
+through its own output columns, so the input's gradient is the sum over ranks (one
+all-reduce). ``reduce_from_tensor_group`` (``g``) sits after a row-split layer: each rank
+computed a partial product over its input slice, so forward sums them (one all-reduce);
+every rank then holds the whole output, whose gradient is already whole: backward is the
+identity. A colwise/rowwise pair therefore costs one all-reduce forward and one backward.
+
+``CALLS`` counts them, so tests (and the run summary) can check that count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from paratrain.runtime import comm
+
+CALLS: Counter[str] = Counter()
+"""All-reduces issued by the two operators, by direction ("forward", "backward")."""
+
+
+def _summed(tensor: torch.Tensor, group: ProcessGroup | None, direction: str) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` summed over ``group`` (gloo mishandles strided
+    tensors in some collectives; the copy also leaves autograd's tensor untouched)."""
+    out = tensor.contiguous().clone()
+    CALLS[direction] += 1
+    comm.all_reduce_sum(out, group=group)
+    return out
+
+
+class _CopyToTensorGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _summed(grad, ctx.group, "backward"), None
+
+
+class _ReduceFromTensorGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return _summed(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tensor_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``f``: identity forward, all-reduce of the gradient backward."""
+    return _CopyToTensorGroup.apply(x, group)
+
+
+def reduce_from_tensor_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``g``: all-reduce forward, identity backward."""
+    return _ReduceFromTensorGroup.apply(x, group)

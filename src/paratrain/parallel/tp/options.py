@@ -1,0 +1,16 @@
+"""The tensor-parallel option, as the command line, run files and ``setup`` take it.
+
+``tp_plan`` (a dict) is a keyword of ``setup`` only: a flag cannot spell it.
+"""
+
+from __future__ import annotations
+
+from paratrain.parallel.options import StrategyOption
+
+TENSOR = StrategyOption(
+    "tensor",
+    int,
+    None,
+    "devices each split layer is spread over (tp: all of them when left out)",
+    minimum=1,
+)
