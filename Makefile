@@ -10,7 +10,7 @@ DATA_DIR ?= $(wildcard ../shared/data)
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 DEVICES_FLAG := $(if $(DEVICES),--devices $(DEVICES),)
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test test-isa lint bench clean
 
 # Reinstalls when the importable paratrain is another checkout's (an editable install
 # left by a different clone would otherwise be what the tests import).
@@ -26,6 +26,15 @@ train: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# The numeric tests (parity, precision) under the other x86-64 kernel sets torch picks
+# from: their tolerances are derived to hold on any of them (about 25 minutes here).
+NUMERIC_TESTS := tests/test_parity_dp.py tests/test_parity_zero.py tests/test_parity_pipeline.py \
+	tests/test_precision.py tests/test_ps_precision.py tests/test_zero.py \
+	tests/test_loss_reduction.py tests/test_ps_parity.py tests/test_zero_param_groups.py
+test-isa: install
+	ATEN_CPU_CAPABILITY=avx2 $(PYTHON) -m pytest -q $(NUMERIC_TESTS)
+	ATEN_CPU_CAPABILITY=default $(PYTHON) -m pytest -q $(NUMERIC_TESTS)
 
 lint: install
 	$(PYTHON) -m ruff check src tests benchmarks

@@ -73,8 +73,8 @@ def test_setup_refuses_unknown_strategy_and_option():
     model = nn.Linear(2, 2)
     with pytest.raises(
         ValueError,
-        match="unknown strategy .dpp.; choose one of: dp, pipeline, ps, single, zero1, zero2, "
-        "zero3",
+        match="unknown strategy .dpp.; choose one of: dp, pipeline, ps, single, tp, zero1, "
+        "zero2, zero3",
     ):
         paratrain.setup(model, optimizer=adam, loss_fn=F.mse_loss, strategy="dpp")
     with pytest.raises(ValueError, match="does not take option\\(s\\) bucket_mb"):

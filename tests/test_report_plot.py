@@ -71,7 +71,9 @@ def test_report_writes_a_png_with_the_expected_panels(runs, strategy, tmp_path):
     assert f"report              {tmp_path / 'report.png'}" in out
     assert (tmp_path / "report.png").read_bytes()[:8] == PNG
     titles = draw_runs([load_run(run_dir)], tmp_path / "again.png")
-    expected = [PANEL_TITLES[k] for k in ("loss_step", "loss_time", "throughput", "memory")]
+    # mlp is a classifier, so every run records accuracy and gets its panel
+    panels = ("loss_step", "loss_time", "throughput", "accuracy", "memory")
+    expected = [PANEL_TITLES[k] for k in panels]
     if strategy == "ps":
         expected += [PANEL_TITLES["staleness"], PANEL_TITLES["pushes"]]
     assert titles == expected
