@@ -14,8 +14,12 @@ when building the whole model on every worker would not fit in this machine's me
 (``refuse_before_launch``).
 
 Depth, context and batch stay fixed, so parameters grow with width squared and each
-strategy's answer is one ``n_embd``. Reported per strategy: the largest width, its
-parameter count, the ratio to dp's, and the probe's per-worker peak ledger total.
+layout's answer is one ``n_embd``. Reported per layout: the largest width, its parameter
+count, the ratio to dp's, and the probe's per-worker peak ledger total. Layouts are
+strategies with their options: ``pipeline`` (one stage per worker), ``tp`` (every layer
+split over every worker), ``pipeline+tp`` (2 stages x workers/2 tensor) and ``zero2+tp``
+(2 tensor, the replicas sharding). Widths under a tensor degree t are multiples of 64 t, so
+that t divides the heads.
 
     python benchmarks/largest_gpt.py                               # 4 workers, 1 GiB each
     python benchmarks/largest_gpt.py --memory-per-device 2GiB --json out.json
@@ -39,9 +43,20 @@ from paratrain.parallel.fit_advice import model_state_per_worker
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.units import parse_size
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pipeline")
+LAYOUTS = {
+    "dp": ("dp", lambda workers: {}),
+    "zero1": ("zero1", lambda workers: {}),
+    "zero2": ("zero2", lambda workers: {}),
+    "zero3": ("zero3", lambda workers: {}),
+    "pipeline": ("pipeline", lambda workers: {"stages": workers}),
+    "tp": ("tp", lambda workers: {"tensor": workers}),
+    "pipeline+tp": ("pipeline", lambda workers: {"stages": 2, "tensor": workers // 2}),
+    "zero2+tp": ("zero2", lambda workers: {"tensor": 2}),
+}
+"""Name -> (strategy, its options for ``workers`` workers)."""
 WIDTH_STEP = 64
-"""Widths are multiples of this (one attention head per 64 channels)."""
+"""Widths are multiples of this (one attention head per 64 channels), times the tensor
+degree."""
 HOST_RAM_SHARE = 0.6
 """At most this share of the machine's available memory may go to building the models."""
 PRECISION = 0.05
@@ -59,11 +74,19 @@ def model_config(width: int, args: argparse.Namespace) -> dict[str, int]:
     }
 
 
-def probe_worker(strategy: str, config: dict, budget: str, steps: int, batch: int, stages: int):
+def layout_of(name: str, workers: int) -> tuple[str, dict]:
+    strategy, options = LAYOUTS[name]
+    return strategy, options(workers)
+
+
+def width_step(name: str, workers: int) -> int:
+    return WIDTH_STEP * layout_of(name, workers)[1].get("tensor", 1)
+
+
+def probe_worker(strategy: str, options: dict, config: dict, budget: str, steps: int, batch: int):
     """Runs in each worker: train ``steps`` Adam steps; returns this worker's ledger."""
     torch.manual_seed(0)
     model = build_model("gpt", **config)
-    options = {"stages": stages} if strategy == "pipeline" else {}
     engine = paratrain.setup(
         model,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-4),
@@ -81,7 +104,7 @@ def probe_worker(strategy: str, config: dict, budget: str, steps: int, batch: in
     return {"loss": loss, "ledger": engine.memory.ledger.record()}
 
 
-def refuse_before_launch(strategy: str, config: dict, args: argparse.Namespace) -> str | None:
+def refuse_before_launch(name: str, config: dict, args: argparse.Namespace) -> str | None:
     """Why a probe cannot fit, decided without starting workers, or None.
 
     Two checks, both sound (they never refuse a model that would train): the ZeRO formula
@@ -92,7 +115,8 @@ def refuse_before_launch(strategy: str, config: dict, args: argparse.Namespace) 
     """
     parameters = gpt_parameter_count(**config)
     budget = parse_size(args.memory_per_device)
-    least = model_state_per_worker(strategy, parameters, args.workers)
+    strategy, options = layout_of(name, args.workers)
+    least = model_state_per_worker(strategy, parameters, args.workers, **options)
     if least > budget:
         return f"its model state alone needs {least / 2**20:,.0f} MiB per worker"
     building = args.workers * 4 * parameters
@@ -117,49 +141,53 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def probe(strategy: str, width: int, args: argparse.Namespace) -> dict | None:
+def probe(name: str, width: int, args: argparse.Namespace) -> dict | None:
     """The workers' ledgers if ``width`` trains, None if a worker ran out of its budget."""
     config = model_config(width, args)
-    refusal = refuse_before_launch(strategy, config, args)
+    refusal = refuse_before_launch(name, config, args)
     if refusal:
-        print(f"  {strategy:<9} n_embd {width:>5}: refused before launch, {refusal}", flush=True)
+        print(f"  {name:<11} n_embd {width:>5}: refused before launch, {refusal}", flush=True)
         return None
     started = time.perf_counter()
+    strategy, options = layout_of(name, args.workers)
     try:
         ledgers = paratrain.launch(
             probe_worker,
             devices=args.workers,
-            args=(strategy, config, args.memory_per_device, args.steps, args.batch, args.workers),
+            args=(strategy, options, config, args.memory_per_device, args.steps, args.batch),
         )
     except WorkerError as error:
         if OUT_OF_MEMORY not in error.details:
             raise
         reason = error.details.strip().splitlines()[-1]
-        print(f"  {strategy:<9} n_embd {width:>5}: out of memory ({reason[:160]})", flush=True)
+        print(f"  {name:<11} n_embd {width:>5}: out of memory ({reason[:160]})", flush=True)
         return None
     peak = max(r["ledger"]["peak_total"] for r in ledgers)
     print(
-        f"  {strategy:<9} n_embd {width:>5}: trained, peak {peak / 2**20:,.0f} MiB per worker "
+        f"  {name:<11} n_embd {width:>5}: trained, peak {peak / 2**20:,.0f} MiB per worker "
         f"({time.perf_counter() - started:.0f} s)",
         flush=True,
     )
     return {"width": width, "peak_total": peak, "loss": ledgers[0]["loss"]}
 
 
-def largest_width(strategy: str, args: argparse.Namespace, start: int) -> dict | None:
-    """Double from ``start`` until a probe fails, then bisect on multiples of WIDTH_STEP
-    until the gap is within ``PRECISION`` of the best width."""
-    best, width = None, start
+def largest_width(name: str, args: argparse.Namespace, start: int) -> dict | None:
+    """Double from ``start`` until a probe fails, then bisect on multiples of the layout's
+    width step until the gap is within ``PRECISION`` of the best width."""
+    step = width_step(name, args.workers)
+    best, width = None, max(step, start // step * step)
     while True:
-        result = probe(strategy, width, args)
+        result = probe(name, width, args)
         if result is None:
             break
         best, width = result, width * 2
     low = best["width"] if best else 0
     high = width
-    while high - low > max(WIDTH_STEP, PRECISION * low):
-        middle = (low + high) // 2 // WIDTH_STEP * WIDTH_STEP
-        result = probe(strategy, middle, args)
+    while high - low > max(step, PRECISION * low):
+        middle = (low + high) // 2 // step * step
+        if middle <= low:
+            break
+        result = probe(name, middle, args)
         if result is None:
             high = middle
         else:
@@ -171,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--memory-per-device", default="1GiB")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument(
+        "--strategies", default=",".join(LAYOUTS), help=f"layouts among {', '.join(LAYOUTS)}"
+    )
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="global batch per step")
@@ -180,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = sorted(set(strategies) - set(STRATEGIES))
+    unknown = sorted(set(strategies) - set(LAYOUTS))
     if unknown:
-        parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}.")
+        parser.error(f"unknown layouts {unknown}; choose from {', '.join(LAYOUTS)}.")
     if args.start_width % WIDTH_STEP or args.start_width < WIDTH_STEP:
         parser.error(f"--start-width must be a positive multiple of {WIDTH_STEP}.")
     if args.steps < 2:
@@ -201,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     dp_params = None
     if found.get("dp"):
         dp_params = gpt_parameter_count(**model_config(found["dp"]["width"], args))
-    print("\n| strategy | largest n_embd | parameters | x dp | peak per worker |")
+    print("\n| layout | largest n_embd | parameters | x dp | peak per worker |")
     print("|---|---|---|---|---|")
     for strategy, best in found.items():
         if best is None:

@@ -39,6 +39,22 @@ def test_bench_dp_kernel_choice_reaches_every_sides_optimizer(monkeypatch):
 
 
 @pytest.mark.slow
+def test_bench_tp_runs_both_sides_on_the_same_function_and_counts_the_all_reduces(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_tp")
+    config = {"vocab_size": 11, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+    row = bench.run([2], rounds=1, steps=2, repeats=1, config=config, batch=4)[0]
+    assert set(row["median_step_s"]) == {"paratrain", "torch"}
+    # both sides start from the same weights and compute the same function: their logits
+    # differ only in how the 2 ranks' partial products are summed (a few fp32 units,
+    # 2^-24 each), so the mean loss agrees far inside the suite's 1e-5 parity bar
+    first = row["first_loss"]
+    assert first["paratrain"] == pytest.approx(first["torch"], rel=1e-5)
+    # 2 blocks x 2 pairs x (forward + backward) all-reduces of 4 x 8 x 16 fp32 values
+    assert row["allreduce_payload_bytes"] == row["analytic_payload_bytes"] == 2 * 2 * 2 * 2048
+
+
+@pytest.mark.slow
 def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("bench_pipeline")

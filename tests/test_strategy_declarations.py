@@ -28,7 +28,8 @@ def test_every_declared_option_is_a_config_field_and_a_flag():
 
 
 def test_shared_options_must_mean_the_same_everywhere():
-    assert declared_options()["bucket_mb"][1] == ["dp", "pipeline", "zero1", "zero2"]
+    assert declared_options()["bucket_mb"][1] == ["dp", "pipeline", "tp", "zero1", "zero2"]
+    assert declared_options()["tensor"][1] == ["dp", "pipeline", "tp", "zero1", "zero2"]
     assert "recompute" in {o.name for o in strategy_class("zero3").options}
 
 
@@ -37,8 +38,12 @@ def test_an_option_of_another_strategy_is_refused():
         TrainConfig(strategy="dp", stages=4)
     with pytest.raises(ConfigError, match=r"--servers is a ps option"):
         TrainConfig(strategy="zero1", servers=2)
-    with pytest.raises(ConfigError, match=r"--bucket-mb is a dp, pipeline, zero1, zero2 option"):
+    with pytest.raises(
+        ConfigError, match=r"--bucket-mb is a dp, pipeline, tp, zero1, zero2 option"
+    ):
         TrainConfig(strategy="zero3", bucket_mb=1.0)
+    with pytest.raises(ConfigError, match=r"--tensor is a dp, pipeline, tp, zero1, zero2 option"):
+        TrainConfig(strategy="zero3", tensor=2)
     assert TrainConfig(strategy="dp", stages=2).strategy == "dp", "the default is no choice"
 
 

@@ -29,8 +29,8 @@ from torch import nn
 import paratrain
 from paratrain.checkpoint import Checkpoint
 from paratrain.parallel import RunSpec, strategy_class
-from paratrain.parallel.tp.plan import resolve_plan
-from paratrain.parallel.tp.shards import ShardSpec
+from paratrain.parallel.tensor.plan import resolve_plan
+from paratrain.parallel.tensor.shards import ShardSpec
 from tests import tp_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
@@ -44,12 +44,15 @@ CASES = [
     ("updown", "sgd", 1, {"max_grad_norm": 0.1}),
     ("gpt", "adam", 2, {"tp_plan": tp_workers.GPT_VOCAB_PLAN}),
     ("updown_dropout", "sgd", 1),
+    ("gpt", "sgd", 2, {"recompute": True}),
 ]
 """(model, optimizer, accumulation[, engine options]); the clipped case checks that the
 norm adds the split slices' squares over the workers and counts the replicated gradients
 once; then gpt's token embedding split by rows too (tp only: single has no plan); the
 last has dropout on the replicated block outputs and seeds every worker differently
-(rank 0 as single): equal only if the tensor group draws one stream, rank 0's."""
+(rank 0 as single): equal only if the tensor group draws one stream, rank 0's; the
+recomputed case keeps only each layer's input and runs its forward, all-reduce included,
+again in backward."""
 PAIRS = {"mlp": 1, "gpt": 4, "updown": 2, "updown_dropout": 2}
 """colwise/rowwise pairs per forward: mlp's hidden pair; gpt's attention and MLP in each
 of 2 blocks; the user model's up/down in each of 2 blocks. A vocab embedding adds one
@@ -72,8 +75,10 @@ def test_tp_equals_one_device_and_all_reduces_once_per_pair(references, tensor):
         assert error <= TOLERANCE, f"{case} at tensor={tensor}: relative error {error:.2e}"
         assert losses == pytest.approx(reference_losses, rel=TOLERANCE), case
         kind, _, accumulation = case[:3]
-        vocab = int("tp_plan" in (case[3:] or [{}])[0] and kind == "gpt")
-        assert calls["forward"] == (PAIRS[kind] + vocab) * accumulation, case
+        options = (case[3:] or [{}])[0]
+        vocab = int("tp_plan" in options and kind == "gpt")
+        replays = 2 if options.get("recompute") else 1
+        assert calls["forward"] == (PAIRS[kind] + vocab) * accumulation * replays, case
         # mlp's colwise layer takes the input batch, which needs no gradient: no all-reduce
         backward = 0 if kind == "mlp" else PAIRS[kind] * accumulation
         assert calls["backward"] == backward, case

@@ -98,7 +98,7 @@ def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, **options)
 
 def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options):
     """10 steps; returns (state, losses, all-reduces forward and backward per step)."""
-    from paratrain.parallel.tp import mappings
+    from paratrain.parallel.tensor import mappings
 
     run = engine(strategy, kind, opt, accumulation, **options)
     before = dict(mappings.CALLS)

@@ -1,11 +1,12 @@
 """Parallel strategies behind one Engine interface; importing registers them all.
 
 The shared pieces (the contract, batching, precision, recompute, memory tracking,
-checkpoint hooks) sit here; each strategy is a package of its own (``dp``, ``zero``,
-``pipeline``, ``ps``, ``tp``) and the reference ``single`` is one module.
+checkpoint hooks, the split layers of ``tensor``) sit here; each strategy is a package of
+its own (``dp``, with ``tp``, dp's layers split over every worker; ``zero``; ``pipeline``;
+``ps``) and the reference ``single`` is one module.
 """
 
-from paratrain.parallel import dp, pipeline, ps, single, tp, zero  # noqa: F401  (registration)
+from paratrain.parallel import dp, pipeline, ps, single, zero  # noqa: F401  (registration)
 from paratrain.parallel.batching import BatchSplitError
 from paratrain.parallel.options import RunSpec, StrategyOption
 from paratrain.parallel.registry import (

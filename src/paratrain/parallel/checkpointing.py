@@ -10,6 +10,11 @@ Tied weights (``ties``): the engine's ``tied_names()`` says which model names ar
 of another; a worker writes only canonical names (a pipeline stage holding only the
 alias of a tensor another stage holds writes nothing for it), the manifest records the
 aliases, and optimizer state goes under canonical names.
+
+Split layers (``engine.tensor_split``, see ``tensor/split.py``): every worker that holds a
+writer's part joins its slices with the rest of its tensor group, and the group's first
+member writes the whole tensors; loading cuts each tensor read to this worker's slice. So
+the format, and what loads where, do not depend on the tensor degree either.
 """
 
 from __future__ import annotations
@@ -92,26 +97,34 @@ def save_engine_checkpoint(
     files: dict[str, dict] = {}
     groups = None
     aliases = engine.tied_names()
+    split = engine_split(engine)
+    holds = engine.writes_shard()  # a writer's part; under a split, joined over the group
+    writes = holds and (split is None or split.rank == 0)
+    model_state: dict[str, torch.Tensor] = {}
+    optim_tensors: dict[str, torch.Tensor] = {}
     if isinstance(engine, ShardedCheckpointState):
         model_state, optim_tensors, groups = engine.gather_checkpoint_state()
-        if engine.writes_shard():
-            model_state = {k: v for k, v in model_state.items() if k not in aliases}
-            files[f"model-{rank}.safetensors"] = write_shard(staging, "model", rank, model_state)
-            if engine.optimizer is not None:
-                files[f"optim-{rank}.safetensors"] = write_shard(
-                    staging, "optim", rank, optim_tensors
-                )
-    elif engine.writes_shard():
+        model_state = {k: v for k, v in model_state.items() if k not in aliases}
+    elif holds:
         local = engine.named_local_parameters()
         names = {id(p): aliases.get(name, name) for name, p in local}
         owned = {name for name, _ in local if name not in aliases}
         model_state = {k: v for k, v in engine.named_local_state().items() if k not in aliases}
+        if engine.optimizer is not None:
+            optim_tensors, groups = named_optimizer_state(engine.optimizer, names)
+            optim_tensors = {
+                k: v for k, v in optim_tensors.items() if k.rpartition("/")[0] in owned
+            }
+            groups = [{**g, "params": [n for n in g["params"] if n in owned]} for g in groups]
+    if split is not None and holds:
+        model_state = split.whole_state(model_state)
+        optim_tensors = split.whole_optimizer(optim_tensors)
+    if writes:
         files[f"model-{rank}.safetensors"] = write_shard(staging, "model", rank, model_state)
         if engine.optimizer is not None:
-            tensors, groups = named_optimizer_state(engine.optimizer, names)
-            tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[0] in owned}
-            groups = [{**g, "params": [n for n in g["params"] if n in owned]} for g in groups]
-            files[f"optim-{rank}.safetensors"] = write_shard(staging, "optim", rank, tensors)
+            files[f"optim-{rank}.safetensors"] = write_shard(staging, "optim", rank, optim_tensors)
+    else:
+        groups = None
     rng = {"torch_cpu": torch.get_rng_state()}
     if engine.device.type == "cuda":
         rng["torch_cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -160,15 +173,17 @@ def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Ch
         )
     aliases = engine.tied_names()
     check_ties(checkpoint, aliases, local)
+    split = engine_split(engine)
+    reader = checkpoint if split is None else split.sliced(checkpoint)
     if isinstance(engine, ShardedCheckpointState):
-        engine.load_checkpoint_state(checkpoint)
-        _restore_rng(engine, checkpoint)
+        engine.load_checkpoint_state(reader)
+        _restore_rng(engine, checkpoint, split)
         engine.steps_taken = checkpoint.step
         return checkpoint
     with torch.no_grad():
         for name, tensor in local.items():
             if aliases.get(name) not in local:  # a tied tensor is written once
-                tensor.copy_(checkpoint.tensor("model", name))
+                tensor.copy_(reader.tensor("model", name))
     optimizer_meta = checkpoint.manifest.get("optimizer")
     if engine.optimizer is not None and optimizer_meta:
         state_keys: dict[str, list[str]] = defaultdict(list)
@@ -181,11 +196,16 @@ def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Ch
             names,
             optimizer_meta["param_groups"],
             state_keys,
-            lambda key: checkpoint.tensor("optim", key),
+            lambda key: reader.tensor("optim", key),
         )
-    _restore_rng(engine, checkpoint)
+    _restore_rng(engine, checkpoint, split)
     engine.steps_taken = checkpoint.step
     return checkpoint
+
+
+def engine_split(engine: Any) -> Any:
+    """The engine's ``TensorSplit`` (its layers split over a tensor group), or None."""
+    return getattr(engine, "tensor_split", None)
 
 
 def check_ties(checkpoint: Checkpoint, aliases: dict[str, str], local) -> None:
@@ -204,13 +224,21 @@ def check_ties(checkpoint: Checkpoint, aliases: dict[str, str], local) -> None:
             )
 
 
-def _restore_rng(engine: CheckpointHooks, checkpoint: Checkpoint) -> None:
+def _restore_rng(engine: CheckpointHooks, checkpoint: Checkpoint, split: Any = None) -> None:
     """This rank's saved generator states, so that it continues its own random stream.
 
     A rank the saving layout did not have keeps the stream its engine gave it at setup
     (``replica_rng``): taking another rank's would make two workers draw the same dropout
-    masks. Streams of ranks the loading layout lacks are dropped.
+    masks. Streams of ranks the loading layout lacks are dropped. The members of a tensor
+    group then take their first member's stream again (``split``): a checkpoint of another
+    layout may have given them different ones.
     """
+    _restore_own_rng(engine, checkpoint)
+    if split is not None:
+        split.share_stream(engine.device)
+
+
+def _restore_own_rng(engine: CheckpointHooks, checkpoint: Checkpoint) -> None:
     rank = comm.rank()
     if f"torch_cpu/{rank}" not in checkpoint.names("rng"):
         return

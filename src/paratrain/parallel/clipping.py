@@ -61,18 +61,24 @@ def clip_distributed(
     group: ProcessGroup | None = None,
     copies: int = 1,
     duplicates: list[torch.Tensor] | None = None,
+    shared: list[torch.Tensor] | None = None,
+    shared_by: int = 1,
 ) -> float:
     """This worker holds ``grads``, a part of the gradient: the squared norms are summed
     over ``group`` (every worker of it must call), where each part is held ``copies``
     times (pipeline replicas); returns the global norm, the gradients clipped in place.
     ``duplicates`` (second copies of a tied weight) are clipped by the same factor, to the
-    bit, without counting in the norm."""
+    bit, without counting in the norm. ``shared`` are parts that ``shared_by`` workers of
+    the group hold alike on top of that (the replicated tensors of a tensor group, whose
+    split slices are in ``grads``): each counts once."""
     squares = squared_norm(grads, device=device).reshape(1)
+    if shared:
+        squares += squared_norm(shared, device=device) / shared_by
     if comm.distributed():
         comm.all_reduce_sum(squares, group=group)
     total = torch.sqrt(squares[0] / copies).float()
     coefficient = clip_coefficient(total, max_norm)
-    scaled = [*grads, *(duplicates or [])]
+    scaled = [*grads, *(shared or []), *(duplicates or [])]
     if scaled:
         torch._foreach_mul_(scaled, coefficient.to(scaled[0].device))
     return float(total)

@@ -7,6 +7,12 @@ So is how a replica starts: BatchNorm layers synchronised where asked
 (``sync_batchnorm``), parameters and buffers equal to the first replica's, a random
 stream of its own (``replica_rng``), and buffers kept equal as DDP keeps them
 (``buffer_sync``).
+
+With a tensor degree above 1 the workers form ``replicas x tensor`` (``runtime/mesh``,
+tensor innermost): every worker starts from rank 0's model, each tensor group splits its
+layers (``tensor/split``) and draws one random stream, and the replicas are each tensor
+rank's data-parallel group, so the replicas' reductions, buffers and evaluation below work
+over that group unchanged.
 """
 
 from __future__ import annotations
@@ -23,14 +29,19 @@ from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from paratrain.parallel.tensor.compose import SplitsLayers
+from paratrain.parallel.tensor.split import split_model
 from paratrain.runtime import comm
+from paratrain.runtime.mesh import build_mesh
 
 
-class ReplicaShare:
-    """Mixin for an Engine whose workers are replicas over ``group``.
+class ReplicaShare(SplitsLayers):
+    """Mixin for an Engine whose workers are replicas over ``group``, each replica
+    possibly a tensor group splitting its layers.
 
-    The engine sets ``group``, ``_replicas`` and ``_replica_rank``; ``_after_eval`` lets it
-    free what evaluation brought in (zero3's gathered parameters).
+    The engine calls ``_join_replicas`` (which sets ``group``, ``_replicas``,
+    ``_replica_rank`` and, with a tensor degree, ``mesh``) and then ``_replicate``;
+    ``_after_eval`` lets it free what evaluation brought in (zero3's gathered parameters).
     """
 
     group: ProcessGroup | None
@@ -39,16 +50,56 @@ class ReplicaShare:
     _device: torch.device
     buffer_sync: BufferBroadcast | None = None
 
+    def _join_replicas(self, group: ProcessGroup | None, tensor: int | None) -> int:
+        """Place this worker among the replicas (and its tensor group); returns the tensor
+        degree. Every worker calls it (creating the mesh's groups is collective)."""
+        degree = self.tensor_degree(comm.world_size(), {"tensor": tensor})
+        if degree > 1:
+            if group is not None:
+                raise ValueError(
+                    "group and tensor cannot be combined: the tensor degree lays out the "
+                    "replicas' groups itself; leave group out."
+                )
+            self.mesh = build_mesh(tensor=degree)
+            group, self._replicas, self._replica_rank = (
+                self.mesh.dp_group,
+                self.mesh.replicas,
+                self.mesh.replica,
+            )
+        else:
+            self._replicas, self._replica_rank = comm.world_size(group), comm.rank(group)
+        self.group = group
+        return degree
+
     def _replicate(
-        self, model: nn.Module, *, broadcast_buffers: bool, sync_batchnorm: bool
+        self,
+        model: nn.Module,
+        *,
+        broadcast_buffers: bool,
+        sync_batchnorm: bool,
+        tp_plan: dict[str, str] | None = None,
     ) -> nn.Module:
         """``model`` on this replica's device, equal to the first replica's, with its own
-        random stream; every replica calls it once ``group`` is set."""
+        random stream, its layers split where this worker is in a tensor group; every
+        worker calls it once ``_join_replicas`` placed it."""
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, group=self.group)
         model = model.to(self._device)
-        comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0, group=self.group)
-        separate_streams(group=self.group)
+        if self.mesh is not None and self.mesh.tensor > 1:
+            # every tensor group cuts its slices from one model, rank 0's
+            comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0)
+            separate_streams()
+            self.tensor_split = split_model(
+                model,
+                tensor=self.mesh.tensor,
+                rank=self.mesh.tensor_rank,
+                group=self.mesh.tensor_group,
+                tp_plan=tp_plan,
+            )
+            self.tensor_split.share_stream(self._device)
+        else:
+            comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0, group=self.group)
+            separate_streams(group=self.group)
         self.buffer_sync = buffer_broadcast(
             model, group=self.group, enabled=broadcast_buffers, skip=(SyncBatchNorm,)
         )
@@ -61,7 +112,16 @@ class ReplicaShare:
 
     @property
     def world_size(self) -> int:
-        return self._replicas
+        return self._replicas * (self.mesh.tensor if self.mesh is not None else 1)
+
+    def _whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A canonical state of this worker's slices made whole (collective over the tensor
+        group, so every worker calls ``state_dict``); as it is without a split."""
+        return state if self.tensor_split is None else self.tensor_split.whole_state(state)
+
+    def _local(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole canonical state cut to this worker's slices."""
+        return state if self.tensor_split is None else self.tensor_split.local_state(state)
 
     def _share(self, batch: Any) -> Any:
         """This replica's contiguous slice of the global batch, on its device."""

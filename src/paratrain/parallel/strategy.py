@@ -367,6 +367,11 @@ class RecordsTimeline:
         """Peak bytes of activations held for backward on this worker."""
         raise NotImplementedError
 
+    def records_timeline(self) -> bool:
+        """Whether this worker's events go into the timeline (workers that run the same
+        schedule in lockstep, a tensor group's, leave it to one of them)."""
+        return True
+
     @classmethod
     def summarize_timeline(cls, run_dir: str | Path) -> str:
         """The text ``paratrain report`` prints for a run's timeline."""
@@ -388,6 +393,8 @@ class RecordsTimeline:
             "events": [{**identity, **e} for e in self.events if e["step"] > first_step],
             "peak": {**identity, "kind": "activation_peak", "bytes": self.activation_peak_bytes()},
         }
+        if not self.records_timeline():
+            own = {"events": [], "peak": None}
         gathered = [None] * comm.world_size() if comm.rank() == 0 else None
         dist.gather_object(own, gathered, dst=0)
         if comm.rank() != 0:
@@ -397,7 +404,8 @@ class RecordsTimeline:
             for part in gathered:
                 for event in part["events"]:
                     handle.write(json.dumps(event) + "\n")
-                handle.write(json.dumps(part["peak"]) + "\n")
+                if part["peak"] is not None:
+                    handle.write(json.dumps(part["peak"]) + "\n")
 
 
 def wants_names(factory: OptimizerFactory) -> bool:

@@ -1,9 +1,12 @@
-"""Parallel degrees -> named process groups.
+"""Parallel degrees -> named process groups: the (replicas x stages x tensor) grid.
 
-Ranks are laid out with the pipeline stage varying fastest: rank = replica * stages + stage.
-Neighbouring stages of one pipeline are then neighbouring ranks (on one host, and on one
-node of a multi-node job when stages <= GPUs per node), and every stage's data-parallel
-group strides across pipelines. Degrees that do not multiply to the device count are
+Ranks are laid out with the tensor rank varying fastest, then the pipeline stage:
+``rank = (replica * stages + stage) * tensor + tensor_rank``, the order torchtitan and
+Megatron use. The workers that split one layer (a tensor group) are then neighbouring
+ranks, on one host or one node's NVLink, where their per-layer all-reduces belong; the
+stages of one pipeline come next, exchanging one activation per micro-batch; and each
+(stage, tensor rank)'s data-parallel group strides across the replicas, carrying one
+gradient all-reduce per step. Degrees that do not multiply to the device count are
 refused with a sentence saying what would.
 """
 
@@ -19,28 +22,47 @@ class MeshError(ValueError):
     """Parallel degrees that do not fit the number of workers."""
 
 
-def check_degrees(world_size: int, *, stages: int) -> int:
+def check_degrees(world_size: int, *, stages: int = 1, tensor: int = 1) -> int:
     """Return the data-parallel degree, or refuse degrees that do not fit ``world_size``."""
-    if stages < 1:
-        raise MeshError(f"stages must be at least 1, not {stages}.")
-    if world_size % stages:
+    for name, degree in (("stages", stages), ("tensor", tensor)):
+        if degree < 1:
+            raise MeshError(f"{name} must be at least 1, not {degree}.")
+    model_parallel = stages * tensor
+    if world_size % model_parallel:
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        if tensor == 1:
+            raise MeshError(
+                f"{stages} pipeline stages do not divide {world_size} workers evenly; use a "
+                f"stage count among {fits} or a multiple of {stages} workers."
+            )
+        if stages == 1:
+            raise MeshError(
+                f"tensor={tensor} does not divide {world_size} workers into equal tensor "
+                f"groups; choose tensor among {fits}, or run on a multiple of {tensor} workers."
+            )
         raise MeshError(
-            f"{stages} pipeline stages do not divide {world_size} workers evenly; use a stage "
-            f"count among {fits} or a multiple of {stages} workers."
+            f"{stages} stages x tensor {tensor} = {model_parallel} workers per replica do not "
+            f"divide {world_size} workers; choose stages x tensor among {fits}, or run on a "
+            f"multiple of {model_parallel} workers."
         )
-    return world_size // stages
+    return world_size // model_parallel
 
 
-@dataclass
-class PipelineMesh:
-    """This worker's place in a (replicas x stages) grid, with its process groups."""
+@dataclass(frozen=True)
+class Mesh:
+    """This worker's place in the grid, with its process groups (None: the whole job, or
+    none needed where the group would hold one worker)."""
 
-    stages: int
     replicas: int
-    stage: int
+    stages: int
+    tensor: int
     replica: int
+    stage: int
+    tensor_rank: int
     dp_group: ProcessGroup | None
+    """The replicas of this worker's (stage, tensor rank): they average its gradients."""
+    tensor_group: ProcessGroup | None
+    """The workers splitting this worker's layers (same replica and stage)."""
 
     @property
     def is_first(self) -> bool:
@@ -50,29 +72,57 @@ class PipelineMesh:
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        """Global rank of ``stage`` in ``replica`` (this worker's replica by default)."""
+    def rank_of(
+        self, stage: int, replica: int | None = None, tensor_rank: int | None = None
+    ) -> int:
+        """Global rank of ``stage`` in ``replica`` at ``tensor_rank`` (this worker's
+        replica and tensor rank by default)."""
         replica = self.replica if replica is None else replica
-        return replica * self.stages + stage
+        tensor_rank = self.tensor_rank if tensor_rank is None else tensor_rank
+        return (replica * self.stages + stage) * self.tensor + tensor_rank
 
     @property
     def prev_rank(self) -> int:
+        """The previous stage's worker at this tensor rank (a stage sends to its twin)."""
         return self.rank_of(self.stage - 1)
 
     @property
     def next_rank(self) -> int:
         return self.rank_of(self.stage + 1)
 
+    def describe(self) -> str:
+        """``2 replicas x 2 stages x 2 tensor``: replicas always, other degrees where > 1."""
+        parts = [f"{self.replicas} replica{'s' if self.replicas != 1 else ''}"]
+        if self.stages > 1:
+            parts.append(f"{self.stages} stages")
+        if self.tensor > 1:
+            parts.append(f"{self.tensor} tensor")
+        return " x ".join(parts)
 
-def pipeline_mesh(stages: int) -> PipelineMesh:
-    """This job's mesh; every rank must call it, since creating groups is collective."""
+
+def build_mesh(*, stages: int = 1, tensor: int = 1) -> Mesh:
+    """This job's mesh; every rank must call it, since creating groups is collective (every
+    worker creates every group, in the same order)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    replicas = check_degrees(world, stages=stages)
-    stage, replica = rank % stages, rank // stages
-    dp_group = None
-    for each_stage in range(stages):
-        members = [r * stages + each_stage for r in range(replicas)]
-        group = dist.new_group(members) if replicas > 1 else None
-        if each_stage == stage:
-            dp_group = group
-    return PipelineMesh(stages, replicas, stage, replica, dp_group)
+    replicas = check_degrees(world, stages=stages, tensor=tensor)
+    tensor_rank = rank % tensor
+    stage = (rank // tensor) % stages
+    replica = rank // (tensor * stages)
+
+    def rank_at(replica: int, stage: int, t: int) -> int:
+        return (replica * stages + stage) * tensor + t
+
+    dp_group = tensor_group = None
+    if 1 < replicas < world:
+        for each_stage in range(stages):
+            for t in range(tensor):
+                group = dist.new_group([rank_at(r, each_stage, t) for r in range(replicas)])
+                if (each_stage, t) == (stage, tensor_rank):
+                    dp_group = group
+    if 1 < tensor < world:
+        for r in range(replicas):
+            for each_stage in range(stages):
+                group = dist.new_group([rank_at(r, each_stage, t) for t in range(tensor)])
+                if (r, each_stage) == (replica, stage):
+                    tensor_group = group
+    return Mesh(replicas, stages, tensor, replica, stage, tensor_rank, dp_group, tensor_group)

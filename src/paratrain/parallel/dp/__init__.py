@@ -1,5 +1,7 @@
-"""``strategy="dp"``: synchronous data parallel (replicated model, bucketed all-reduce)."""
+"""``strategy="dp"``: synchronous data parallel (replicated model, bucketed all-reduce),
+and ``strategy="tp"``, the same engine with its layers split over every worker."""
 
 from paratrain.parallel.dp.engine import DataParallelEngine
+from paratrain.parallel.dp.tp import TensorParallelEngine
 
-__all__ = ["DataParallelEngine"]
+__all__ = ["DataParallelEngine", "TensorParallelEngine"]

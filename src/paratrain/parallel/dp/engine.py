@@ -22,6 +22,13 @@ buffer.
 Unused parameters: a parameter that no replica's backward reached in a step is left with
 ``.grad = None``, as the plain loop leaves it, so the optimizer skips it; one used on
 some replicas only gets the global-batch mean, zeros from the others (``grad_buckets``).
+
+Split layers (``tensor``, ``tp_plan``): the workers form ``replicas x tensor``, each
+tensor group splitting the planned layers Megatron's way (``parallel/tensor``) and running
+its replica's share; the replicated tensors' gradients come out whole and equal on the
+members, the split ones as slices, and each is averaged over its tensor rank's replicas
+by the same buckets. ``tp`` (``dp/tp.py``) is this engine with the tensor degree every
+worker by default.
 """
 
 from __future__ import annotations
@@ -39,11 +46,12 @@ from paratrain.parallel.batching import (
     split_micro,
 )
 from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
-from paratrain.parallel.clipping import clip_local
+from paratrain.parallel.clipping import clip_distributed, clip_local
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -58,7 +66,9 @@ from paratrain.parallel.strategy import (
     require_process_group,
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
+from paratrain.parallel.tensor.options import TENSOR
 from paratrain.runtime import comm
+from paratrain.runtime.mesh import check_degrees
 
 
 @register("dp")
@@ -70,7 +80,9 @@ class DataParallelEngine(ReplicaShare, Engine):
     by default), ``recompute`` (keep only each layer's input for backward and recompute
     the rest; see ``recompute``), ``broadcast_buffers`` (send the first replica's buffers
     to the others before each step, as DDP; default True), ``sync_batchnorm`` (BatchNorm
-    statistics over the global batch; default False).
+    statistics over the global batch; default False), ``tensor`` (workers each split layer
+    is spread over; 1 by default) and ``tp_plan`` (``setup`` only: which layers split how,
+    see ``tensor/plan``; found where unambiguous when left out).
 
     ``first_bucket_mb`` defaults by backend. On NCCL it is 1 MiB, as in DDP: a small first
     message leaves early and the GPU's copy engines overlap it with the rest of backward.
@@ -79,9 +91,34 @@ class DataParallelEngine(ReplicaShare, Engine):
     latency (measured: 5-10% slower steps on ``mlp`` at 2 and 4 workers).
     """
 
-    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM)
+    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, TENSOR)
     default = True  # the strategy most runs want: the model fits, the batch splits
     advice_rank = 0
+
+    @classmethod
+    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
+        return check_degrees(devices, tensor=cls.tensor_degree(devices, options))
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """The mesh and batch, then the tensor plan on a meta-device copy of the model."""
+        super().check_run(run)
+        cls.check_tensor_plan(run)
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        return cls.tensor_share(workers, options)
+
+    @classmethod
+    def model_state_per_worker(
+        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
+    ) -> float:
+        """Everything per parameter, at the share of a worker (split layers 1/tensor)."""
+        return (weight + gradient + optimizer) * cls.parameter_share(workers, options) * parameters
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        return cls.split_summary_lines(metrics)
 
     def __init__(
         self,
@@ -99,6 +136,8 @@ class DataParallelEngine(ReplicaShare, Engine):
         recompute: bool = False,
         broadcast_buffers: bool = True,
         sync_batchnorm: bool = False,
+        tensor: int | None = None,
+        tp_plan: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -117,11 +156,14 @@ class DataParallelEngine(ReplicaShare, Engine):
                 f"bucket_mb and first_bucket_mb must be positive, not {bucket_mb} and "
                 f"{first_bucket_mb}."
             )
-        self.group = group
-        self._replicas = comm.world_size(group)
-        self._replica_rank = comm.rank(group)
+        self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+        self._join_replicas(group, tensor)
+        group = self.group
         self.model = self._replicate(
-            model, broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm
+            model,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
+            tp_plan=tp_plan,
         )
         self.reducer: BucketedGradientReducer | None = None
         if self._replicas > 1:
@@ -186,19 +228,47 @@ class DataParallelEngine(ReplicaShare, Engine):
         else:
             mean_loss = float(totals.contribution())
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
-        if self.precision.unscale_and_check(grads, synchronized=True):
-            if self.max_grad_norm is not None:  # every replica holds the whole gradient
-                self._grad_norm = clip_local(self.model.parameters(), self.max_grad_norm)
+        # split gradients differ between a tensor group's members: their vote is a message
+        if self.precision.unscale_and_check(grads, synchronized=self.tensor_split is None):
+            if self.max_grad_norm is not None:
+                self._grad_norm = self._clip(self.max_grad_norm)
             self.optimizer.step()
         self.steps_taken += 1
         self.memory.end_step()
         return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
 
+    def _clip(self, max_norm: float) -> float:
+        """Every replica holds the whole gradient after the all-reduce; within a tensor
+        group a split parameter's slices add their squares, a replicated one counts once."""
+        if self.tensor_split is None:
+            return clip_local(self.model.parameters(), max_norm)
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        split, whole = self.tensor_split.partition(named)
+        return clip_distributed(
+            split,
+            max_norm,
+            device=self._device,
+            group=self.mesh.tensor_group,
+            shared=whole,
+            shared_by=self.mesh.tensor,
+        )
+
     def writes_shard(self) -> bool:
         return self._replica_rank == 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return canonical_state(self.model)
+        """The single-device model's state (with split layers, collective: every worker
+        of the tensor group calls it)."""
+        return self._whole(canonical_state(self.model))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state)
+        self.model.load_state_dict(self._local(state))
+
+    def run_metrics(self) -> dict[str, Any] | None:
+        return self.split_metrics(list(self.model.parameters()), self._parameters) or None
+
+    def layout(self) -> dict[str, Any]:
+        layout = super().layout()
+        if self.mesh is not None:
+            layout.update(replicas=self.mesh.replicas, tensor=self.mesh.tensor)
+        return layout

@@ -27,6 +27,14 @@ the point-to-point buffers posted and not yet flushed.
 Every worker draws from a random stream of its own (``replica_rng``); a stage draws its
 micro-batches' dropout masks in micro-batch order whatever the schedule. ``recompute``
 refuses models with BatchNorm, whose running statistics the recompute would update twice.
+
+Split layers (``tensor``, ``tp_plan``): the workers form ``replicas x stages x tensor``
+(``runtime/mesh``, tensor innermost); a stage's tensor group splits the planned layers of
+that stage (``parallel/tensor``; the plan is checked on the whole model so that the stages
+agree) and draws one random stream. Each member exchanges its activations and their
+gradients with the member of the same tensor rank in the neighbouring stages: replicated
+values arrive whole, and a colwise layer's slice at the end of a stage reaches the
+rowwise layer that takes it. A model cut at named split points does not split its layers.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
     refuse_for_split_points,
+    refuse_tensor_for_split_points,
 )
 from paratrain.parallel.pipeline.stage_run import NamedStage
 from paratrain.parallel.pipeline.structure import flatten, floating
@@ -87,10 +96,12 @@ from paratrain.parallel.strategy import (
     optimizer_from_factory,
     require_process_group,
 )
+from paratrain.parallel.tensor.compose import SplitsLayers
+from paratrain.parallel.tensor.split import split_model
 from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
-from paratrain.runtime.mesh import check_degrees, pipeline_mesh
+from paratrain.runtime.mesh import build_mesh, check_degrees
 
 
 def _floating_leaves(value: Any) -> list[torch.Tensor]:
@@ -132,7 +143,7 @@ def choose_balance(
 
 
 @register("pipeline")
-class PipelineEngine(RecordsTimeline, Engine):
+class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     """Stages of the layer list on consecutive workers, scheduled GPipe or 1F1B.
 
     Options: ``stages`` (pipeline depth; workers / stages replicas of each stage),
@@ -141,7 +152,8 @@ class PipelineEngine(RecordsTimeline, Engine):
     "memory"; the last two need ``sample_input``), ``split_points`` (block names where
     stages start, for a model that is not a layer list), ``recompute`` (keep only each stage's
     input per micro-batch and recompute the rest in backward), ``bucket_mb`` (gradient
-    all-reduce buckets across replicas).
+    all-reduce buckets across replicas), ``tensor`` (workers each stage's split layers are
+    spread over; 1 by default) and ``tp_plan`` (``setup`` only; see ``tensor/plan``).
     """
 
     options = OPTIONS
@@ -149,7 +161,8 @@ class PipelineEngine(RecordsTimeline, Engine):
 
     @classmethod
     def replicas(cls, devices: int, options: dict[str, Any]) -> int:
-        return check_degrees(devices, stages=options.get("stages", 2))
+        tensor = cls.tensor_degree(devices, options)
+        return check_degrees(devices, stages=options.get("stages", 2), tensor=tensor)
 
     @classmethod
     def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
@@ -163,6 +176,9 @@ class PipelineEngine(RecordsTimeline, Engine):
             return
         stages, balance = run.options.get("stages", 2), run.options.get("balance")
         model = run.build_model()
+        if cls.tensor_degree(run.devices, run.options) > 1:
+            refuse_tensor_for_split_points(model)
+            cls.check_tensor_plan(run)
         if run.options.get("split_points") is not None and is_layer_list(model):
             balance = layer_list_balance(model, run.options["split_points"], stages)
         elif not is_layer_list(model):
@@ -201,9 +217,14 @@ class PipelineEngine(RecordsTimeline, Engine):
 
     @classmethod
     def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        """A stage holds at least 1/stages of the model only if its layers balance: a
-        lower bound, for refusing a budget before any worker starts."""
-        return 1.0 / options.get("stages", workers)
+        """A stage holds at least 1/stages of the model only if its layers balance, and of
+        that 1/tensor where every layer splits: a lower bound, for refusing a budget before
+        any worker starts."""
+        return cls.tensor_share(workers, options) / options.get("stages", workers)
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        return cls.split_summary_lines(metrics)
 
     @classmethod
     def model_state_per_worker(
@@ -231,6 +252,8 @@ class PipelineEngine(RecordsTimeline, Engine):
         recompute: bool = False,
         bucket_mb: float = 25.0,
         split_points: list[str] | None = None,
+        tensor: int | None = None,
+        tp_plan: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -242,6 +265,10 @@ class PipelineEngine(RecordsTimeline, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
+        tensor = self.tensor_degree(comm.world_size(), {"tensor": tensor})
+        if tensor > 1:
+            refuse_tensor_for_split_points(model)
+        self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         sequential = is_layer_list(model)
         if sequential and split_points is not None:
             if balance is not None:
@@ -256,12 +283,12 @@ class PipelineEngine(RecordsTimeline, Engine):
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
         self.schedule_name = schedule
         self.actions = get_schedule(schedule)(stages, self.micro_batches)
-        self.mesh = pipeline_mesh(stages)
+        self.mesh = build_mesh(stages=stages, tensor=tensor)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerSlice | None = None
         self.named: NamedStage | None = None
         if sequential:
-            self._cut_layer_list(model, balance, balance_by, sample_input)
+            self._cut_layer_list(model, balance, balance_by, sample_input, tp_plan)
         else:
             plan = plan_stages(model, stages, split_points)
             self.balance, self.split_points = plan.balance, plan.split_points
@@ -287,6 +314,8 @@ class PipelineEngine(RecordsTimeline, Engine):
             )
         self.ties.broadcast_values()  # copies of a tied Parameter start equal
         separate_streams()
+        if self.tensor_split is not None:  # a tensor group computes its activations alike
+            self.tensor_split.share_stream(self._device)
         # A stage may hold only parameter-free layers (an activation, a reshape).
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
         trainable = [(n, p) for n, p in self.named_local_parameters() if p.requires_grad]
@@ -308,8 +337,9 @@ class PipelineEngine(RecordsTimeline, Engine):
             communication=self.link.held_bytes,
         )
 
-    def _cut_layer_list(self, model, balance, balance_by, sample_input) -> None:
-        """Keep this stage's slice of the layer list; the other layers go to meta."""
+    def _cut_layer_list(self, model, balance, balance_by, sample_input, tp_plan) -> None:
+        """Keep this stage's slice of the layer list, its planned layers split over the
+        tensor group; the other layers go to meta."""
         layers, prefix = layer_list(model)
         self.balance = choose_balance(
             layers,
@@ -321,6 +351,20 @@ class PipelineEngine(RecordsTimeline, Engine):
         self.split_points = None
         bounds = stage_bounds(self.balance)
         start, end = bounds[self.mesh.stage]
+        if self.mesh.tensor > 1:
+            mine = [layers[i] for i in range(start, end)]
+            # the members cut their slices from one stage, their first member's
+            state = [t for layer in mine for t in (*layer.parameters(), *layer.buffers())]
+            comm.broadcast_tensors(state, src=0, group=self.mesh.tensor_group)
+            self.tensor_split = split_model(
+                model,
+                tensor=self.mesh.tensor,
+                rank=self.mesh.tensor_rank,
+                group=self.mesh.tensor_group,
+                tp_plan=tp_plan,
+                only={f"{prefix}{i}" for i in range(start, end)},
+            )
+            layers, prefix = layer_list(model)  # a split layer of the list is a new module
         self.slice = LayerSlice(start, end, prefix)
         self.ties = CrossStageTies(layer_list_stages(layers, bounds, prefix), self.mesh)
         kept = {id(p) for index in range(start, end) for p in layers[index].parameters()}
@@ -358,7 +402,7 @@ class PipelineEngine(RecordsTimeline, Engine):
 
     @property
     def world_size(self) -> int:
-        return self.mesh.stages * self.mesh.replicas
+        return self.mesh.stages * self.mesh.replicas * self.mesh.tensor
 
     @property
     def model(self) -> nn.Module:
@@ -371,6 +415,7 @@ class PipelineEngine(RecordsTimeline, Engine):
             "micro_batches": self.micro_batches,
             "schedule": self.schedule_name,
             "replicas": self.mesh.replicas,
+            "tensor": self.mesh.tensor,
             "balance": self.balance,
             "recompute": self.recompute,
             **({"split_points": self.split_points} if self.split_points is not None else {}),
@@ -378,6 +423,13 @@ class PipelineEngine(RecordsTimeline, Engine):
 
     def timeline_identity(self) -> dict[str, Any]:
         return {"rank": self.rank, "stage": self.mesh.stage, "replica": self.mesh.replica}
+
+    def records_timeline(self) -> bool:
+        """A tensor group runs one schedule: its first member's events stand for it."""
+        return self.mesh.tensor_rank == 0
+
+    def run_metrics(self) -> dict[str, Any] | None:
+        return self.split_metrics(self._params, self._parameters) or None
 
     def activation_peak_bytes(self) -> int:
         return self.memory.activation_peak_bytes() or 0
@@ -462,13 +514,15 @@ class PipelineEngine(RecordsTimeline, Engine):
         return self.sum_over_workers(sums) if comm.world_size() > 1 else sums
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full canonical state on rank 0; on other ranks, their own stage's entries."""
-        own = {
-            key: value.detach().to("cpu", copy=True)
-            for key, value in self.named_local_state().items()
-        }
+        """Full canonical state on rank 0; on other ranks, their own stage's entries (every
+        worker calls it: split layers are joined over each tensor group)."""
+        own = self.named_local_state()
+        if self.tensor_split is not None:
+            own = self.tensor_split.whole_state(own)
+        own = {key: value.detach().to("cpu", copy=True) for key, value in own.items()}
         gathered: list[Any] = [None] * dist.get_world_size() if comm.rank() == 0 else None
-        dist.gather_object(own if self.mesh.replica == 0 else {}, gathered, dst=0)
+        sends = self.mesh.replica == 0 and self.mesh.tensor_rank == 0
+        dist.gather_object(own if sends else {}, gathered, dst=0)
         if comm.rank() != 0:
             return own
         full: dict[str, torch.Tensor] = {}
@@ -477,6 +531,8 @@ class PipelineEngine(RecordsTimeline, Engine):
         return full
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.tensor_split is not None:
+            state = self.tensor_split.local_state(state)
         if self.named is not None:
             self.named.load(state)
         else:
@@ -597,12 +653,18 @@ class PipelineEngine(RecordsTimeline, Engine):
         holds each stage's ``replicas`` times."""
         aliases = self.tied_names()
         held = [(name, p.grad) for name, p in self.named_local_parameters() if p.grad is not None]
+        counted = [(name, grad) for name, grad in held if name not in aliases]
+        split, whole = [g for _, g in counted], []
+        if self.tensor_split is not None:  # a replicated tensor: alike on each member
+            split, whole = self.tensor_split.partition(counted)
         self._grad_norm = clip_distributed(
-            [grad for name, grad in held if name not in aliases],
+            split,
             self.max_grad_norm,
             device=self._device,
             copies=self.mesh.replicas,
             duplicates=[grad for name, grad in held if name in aliases],
+            shared=whole,
+            shared_by=self.mesh.tensor,
         )
 
     @property

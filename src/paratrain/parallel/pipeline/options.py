@@ -7,6 +7,7 @@ from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.pipeline.partition import COST_CHOICES
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.recompute import RECOMPUTE
+from paratrain.parallel.tensor.options import TENSOR
 
 
 def parse_balance(text: str | list[int]) -> list[int]:
@@ -51,4 +52,5 @@ OPTIONS = (
     ),
     RECOMPUTE,
     BUCKET_MB,
+    TENSOR,
 )

@@ -219,6 +219,17 @@ def refuse_for_split_points(*, balance: object, balance_by: str, recompute: bool
         )
 
 
+def refuse_tensor_for_split_points(model: nn.Module) -> None:
+    """Split layers need the stage's modules as the plan sees them, which a model cut at
+    named blocks (run through its own forward, other stages on meta) does not keep."""
+    if not is_layer_list(model):
+        raise PartitionError(
+            f"tensor > 1 under the pipeline needs the model as a layer list, and "
+            f"{type(model).__name__} is cut at named blocks; give the pipeline an "
+            "nn.Sequential of its blocks, or split its layers with strategy 'tp' without stages."
+        )
+
+
 def layer_list_balance(model: nn.Module, split_points: list[str], stages: int) -> list[int]:
     """Split points of a layer list (``"3"``, or ``"layers.3"``) as its ``balance``."""
     layers, prefix = layer_list(model)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.runtime import comm
-from paratrain.runtime.mesh import PipelineMesh
+from paratrain.runtime.mesh import Mesh
 
 
 def release_shared(layer: nn.Module, kept: set[int]) -> None:
@@ -59,7 +59,7 @@ class CrossStageTies:
     this worker; every rank must build it (creating process groups is collective).
     """
 
-    def __init__(self, named: list[tuple[str, nn.Parameter, int]], mesh: PipelineMesh) -> None:
+    def __init__(self, named: list[tuple[str, nn.Parameter, int]], mesh: Mesh) -> None:
         stages_of: dict[int, set[int]] = {}
         names: dict[int, list[str]] = {}
         for name, param, stage in named:
@@ -75,10 +75,12 @@ class CrossStageTies:
         """(group of this replica's stages holding the tie, their canonical names)."""
         for stages, canonical in spans.items():  # the same order on every rank
             for replica in range(mesh.replicas):
-                members = [mesh.rank_of(stage, replica) for stage in stages]
-                group = dist.new_group(members)
-                if replica == mesh.replica and mesh.stage in stages:
-                    self.groups.append((group, canonical))
+                for t in range(mesh.tensor):  # a tied weight is never split: each its copy
+                    members = [mesh.rank_of(stage, replica, t) for stage in stages]
+                    group = dist.new_group(members)
+                    here = (replica, t) == (mesh.replica, mesh.tensor_rank)
+                    if here and mesh.stage in stages:
+                        self.groups.append((group, canonical))
         self.params: list[list[nn.Parameter]] = []
 
     def attach(self, local: dict[str, nn.Parameter]) -> None:

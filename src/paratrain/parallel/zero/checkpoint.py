@@ -71,8 +71,9 @@ class ZeroCheckpointState(ShardedCheckpointState):
     def gather_checkpoint_state(
         self,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict[str, Any]]]:
-        """Canonical model tensors, optimizer tensors and groups on the writer; empty elsewhere."""
-        model = self.state_dict()
+        """Canonical model tensors, optimizer tensors and groups on the writer; empty elsewhere
+        (split layers as this worker's slices: the checkpoint code joins them)."""
+        model = self.local_state()
         writer = self.writes_shard()
         if self.optimizer is None:
             return (model, {}, []) if writer else ({}, {}, [])

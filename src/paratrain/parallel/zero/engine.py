@@ -61,6 +61,10 @@ caches of each weight until the forward ends (2 bytes per parameter under bf16/f
 The memory ledger (``memory_per_device``) books the state ``model_state_bytes`` reports
 and the activations autograd saves, leaving out stage 3's gathered parameters.
 
+Split layers (zero1/2's ``tensor``, ``tp_plan``): the workers form ``replicas x tensor``
+as under ``dp`` (``replicas``), each tensor rank's replicas sharding the state of its
+slices and of the replicated tensors; zero3 does not split layers.
+
 ``recompute=True`` checkpoints the layer list by segment as in ``dp`` (``recompute``):
 only each segment's input is kept for backward. Stages 1-2 need nothing more; stage 3
 runs backward inside ``ParameterGatherer.backward_pass`` so that a segment's recompute
@@ -100,6 +104,7 @@ from paratrain.parallel.strategy import (
     require_process_group,
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
+from paratrain.parallel.tensor.options import TENSOR
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
 from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
@@ -111,6 +116,7 @@ from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
 from paratrain.parallel.zero.unused import ShardPieces, make_pieces
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
+from paratrain.runtime.mesh import check_degrees
 
 
 class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
@@ -133,6 +139,8 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         elementwise_optimizer: bool = False,
         broadcast_buffers: bool = True,
         sync_batchnorm: bool = False,
+        tensor: int | None = None,
+        tp_plan: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -143,17 +151,27 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             memory_per_device=memory_per_device,
             max_grad_norm=max_grad_norm,
         )
+        if self.stage == 3 and tensor not in (None, 1):
+            raise ValueError(
+                "zero3 does not split layers over a tensor group; use zero1 or zero2 with "
+                "tensor, or zero3 without it."
+            )
+        self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         self.recompute = recompute
         self._check_layout(model)
         # Built before any collective: it refuses models recompute cannot segment.
         self._segments = recomputing_forward(model) if recompute else None
         require_process_group(self.name)
-        self.group = group
-        self._replicas = comm.world_size(group)
-        self._replica_rank = comm.rank(group)
+        self._join_replicas(group, tensor)
+        group = self.group
         self.model = self._replicate(
-            model, broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm
+            model,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
+            tp_plan=tp_plan,
         )
+        if self.tensor_split is not None and recompute:  # segments of the split layers
+            self._segments = recomputing_forward(self.model)
         # The user's groups first: zero1/2 lay their buckets out so that none mixes groups.
         self.param_groups = learn_groups(
             optimizer, list(self.model.named_parameters()), strategy=self.name
@@ -271,19 +289,31 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         mean_loss = self.grads.finish(totals.contribution())
         self.pieces.assign_grads(self.grads.unused)  # parameters no replica used: skipped
         # Each rank checks only its slices, so under fp16 the overflow flag is summed over
-        # the replicas (synchronized=False): all skip together or all step.
+        # the replicas (synchronized=False): all skip together or all step; a tensor
+        # group's members hold different slices too, so with one the vote is the job's.
         shard_grads = [unit.shard.grad for unit in self.units]
-        if self.precision.unscale_and_check(shard_grads, group=self.group, device=self._device):
-            if self.max_grad_norm is not None:  # each rank holds slices: norms add up
-                held = [grad for grad in shard_grads if grad is not None]
-                self._grad_norm = clip_distributed(
-                    held, self.max_grad_norm, device=self._device, group=self.group
-                )
+        vote = self.group if self.tensor_split is None else None
+        if self.precision.unscale_and_check(shard_grads, group=vote, device=self._device):
+            if self.max_grad_norm is not None:
+                self._grad_norm = self._clip(self.max_grad_norm)
             self.optimizer.step()
             self._after_step()
         self.steps_taken += 1
         self.memory.end_step()
         return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
+
+    def _clip(self, max_norm: float) -> float:
+        """Each rank holds slices of the flat gradients: their squares add up over the
+        replicas. Within a tensor group the parts of a split parameter add up too, while a
+        replicated one is held alike by every member and counts once."""
+        if self.tensor_split is None:
+            held = [unit.shard.grad for unit in self.units if unit.shard.grad is not None]
+            return clip_distributed(held, max_norm, device=self._device, group=self.group)
+        pieces = [piece for unit in self.units for piece in unit.shard_pieces(unit.shard.grad)]
+        split, whole = self.tensor_split.partition(pieces)
+        return clip_distributed(
+            split, max_norm, device=self._device, shared=whole, shared_by=self.mesh.tensor
+        )
 
     def _after_step(self) -> None:
         """Stages 1-2: bring every rank's updated slice back into the full parameters."""
@@ -319,12 +349,22 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         return self.model_state_bytes()["parameters"]
 
     def writes_shard(self) -> bool:
+        """The first replica; with split layers, each tensor rank's (its slices are joined
+        over the tensor group before the first of them writes)."""
+        if self.tensor_split is not None:
+            return self._replica_rank == 0
         return comm.rank() == 0
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This worker's canonical model state, its split layers as slices."""
         return canonical_state(self.model)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device model's state (every worker calls it)."""
+        return self._whole(self.local_state())
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        state = self._local(state)
         expected = set(self.model.state_dict())
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -348,9 +388,31 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
 
 
 class _ReplicatedParameters(ZeroEngine):
-    """Stages 1-2: the full parameters stay on every rank; units are ``bucket_mb`` buckets."""
+    """Stages 1-2: the full parameters stay on every rank; units are ``bucket_mb`` buckets.
+    With ``tensor``, the full parameters of this worker's slices."""
 
-    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM)
+    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, TENSOR)
+
+    @classmethod
+    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
+        return check_degrees(devices, tensor=cls.tensor_degree(devices, options))
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """The mesh and batch, then the tensor plan on a meta-device copy of the model."""
+        super().check_run(run)
+        cls.check_tensor_plan(run)
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        return cls.tensor_share(workers, options)
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        return cls.split_summary_lines(metrics)
+
+    def run_metrics(self) -> dict[str, Any] | None:
+        return self.split_metrics(list(self.model.parameters()), self._parameters) or None
 
     def __init__(
         self,
@@ -368,6 +430,8 @@ class _ReplicatedParameters(ZeroEngine):
         elementwise_optimizer: bool = False,
         broadcast_buffers: bool = True,
         sync_batchnorm: bool = False,
+        tensor: int | None = None,
+        tp_plan: dict[str, str] | None = None,
     ) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}.")
@@ -385,6 +449,8 @@ class _ReplicatedParameters(ZeroEngine):
             elementwise_optimizer=elementwise_optimizer,
             broadcast_buffers=broadcast_buffers,
             sync_batchnorm=sync_batchnorm,
+            tensor=tensor,
+            tp_plan=tp_plan,
         )
 
     def _build_units(self) -> tuple[list[FlatUnit], None]:
@@ -422,7 +488,8 @@ class Zero1Engine(_ReplicatedParameters):
     ``recompute`` (keep only each layer segment's input for backward and recompute the
     rest, as in ``dp``), ``elementwise_optimizer`` (the user vouches that an optimizer
     class paratrain does not know updates each element alone; see ``optim``),
-    ``broadcast_buffers`` and ``sync_batchnorm`` (as ``dp``).
+    ``broadcast_buffers`` and ``sync_batchnorm`` (as ``dp``), ``tensor`` and ``tp_plan``
+    (split layers over tensor groups, as ``dp``).
     """
 
     stage = 1
@@ -432,8 +499,11 @@ class Zero1Engine(_ReplicatedParameters):
     def model_state_per_worker(
         cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
     ) -> float:
-        """Weights and gradients whole, optimizer state 1/N."""
-        return (weight + gradient + optimizer / workers) * parameters
+        """Weights and gradients whole, optimizer state 1/replicas (of a worker's share:
+        split layers 1/tensor)."""
+        replicas = cls.replicas(workers, options)
+        share = cls.parameter_share(workers, options) * parameters
+        return (weight + gradient + optimizer / replicas) * share
 
 
 @register("zero2")
@@ -450,8 +520,10 @@ class Zero2Engine(_ReplicatedParameters):
     def model_state_per_worker(
         cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
     ) -> float:
-        """Weights whole; gradients and optimizer state 1/N."""
-        return (weight + (gradient + optimizer) / workers) * parameters
+        """Weights whole; gradients and optimizer state 1/replicas (of a worker's share)."""
+        replicas = cls.replicas(workers, options)
+        share = cls.parameter_share(workers, options) * parameters
+        return (weight + (gradient + optimizer) / replicas) * share
 
 
 @register("zero3")
@@ -542,7 +614,7 @@ class Zero3Engine(ZeroEngine):
     def _after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit when it needs it."""
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def local_state(self) -> dict[str, torch.Tensor]:
         """Gathers one unit at a time (every rank takes part) into full CPU tensors."""
         gathered: dict[str, torch.Tensor] = {}
         for unit in self.units:

@@ -98,6 +98,20 @@ class FlatUnit:
                 view.copy_(piece)
         return flat
 
+    def shard_pieces(self, shard: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, the part of it) for each parameter ``shard`` (a tensor laid out
+        like this rank's slice, such as its gradient) covers; views, so that scaling them
+        scales ``shard``. The padding belongs to no parameter and is left out."""
+        if shard is None:
+            return []
+        start, end = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        pieces = []
+        for name, param, offset in zip(self.names, self.params, self.offsets, strict=True):
+            low, high = max(start, offset), min(end, offset + param.numel())
+            if low < high:
+                pieces.append((name, shard.narrow(0, low - start, high - low)))
+        return pieces
+
     def my_slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a padded flat buffer."""
         return flat.narrow(0, self.rank * self.shard_numel, self.shard_numel)

@@ -11,6 +11,7 @@ TENSOR = StrategyOption(
     "tensor",
     int,
     None,
-    "devices each split layer is spread over (tp: all of them when left out)",
+    "devices each split layer is spread over (tensor parallel; tp: every device when left "
+    "out, the others: 1); the devices form replicas x stages x tensor, tensor innermost",
     minimum=1,
 )

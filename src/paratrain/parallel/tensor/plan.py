@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from paratrain.parallel.tp.attention import is_reference_attention
-from paratrain.parallel.tp.detect import elementwise_pairs
+from paratrain.parallel.tensor.attention import is_reference_attention
+from paratrain.parallel.tensor.detect import elementwise_pairs
 
 COLWISE, ROWWISE, VOCAB, REPLICATE = "colwise", "rowwise", "vocab", "replicate"
 KINDS = (COLWISE, ROWWISE, VOCAB, REPLICATE)
@@ -45,6 +45,18 @@ class TensorPlan:
         parts += [f"{n} vocab" for n in [list(self.splits.values()).count(VOCAB)] if n]
         parts += [f"{len(self.attention)} attention by heads"] if self.attention else []
         return ", ".join(parts)
+
+    def restricted_to(self, prefixes: set[str]) -> TensorPlan:
+        """The part of the plan inside the modules ``prefixes`` names (a pipeline stage's):
+        the whole plan is checked first, so that the stages agree on it."""
+
+        def kept(name: str) -> bool:
+            return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+        return TensorPlan(
+            {name: kind for name, kind in self.splits.items() if kept(name)},
+            tuple(name for name in self.attention if kept(name)),
+        )
 
 
 def _parent(name: str) -> tuple[str, str]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.tp.attention import HeadParallelAttention
-from paratrain.parallel.tp.layers import ColwiseLinear, RowwiseLinear, VocabEmbedding
-from paratrain.parallel.tp.plan import COLWISE, ROWWISE, VOCAB, TensorPlan
-from paratrain.parallel.tp.shards import ShardSpec
+from paratrain.parallel.tensor.attention import HeadParallelAttention
+from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear, VocabEmbedding
+from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, VOCAB, TensorPlan
+from paratrain.parallel.tensor.shards import ShardSpec
 
 _LAYERS = {COLWISE: ColwiseLinear, ROWWISE: RowwiseLinear, VOCAB: VocabEmbedding}
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.tp.layers import ColwiseLinear, RowwiseLinear
+from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear
 
 REFERENCE_ATTENTION = ("paratrain.models.gpt", "CausalSelfAttention")
 """The class this module replaces, by name: ``parallel`` does not import the models."""

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.tp.mappings import copy_to_tensor_group, reduce_from_tensor_group
-from paratrain.parallel.tp.shards import ShardSpec
+from paratrain.parallel.tensor.mappings import copy_to_tensor_group, reduce_from_tensor_group
+from paratrain.parallel.tensor.shards import ShardSpec
 
 
 def _slice_parameter(full: torch.Tensor, spec: ShardSpec, rank: int) -> nn.Parameter:
