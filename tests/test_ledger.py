@@ -165,11 +165,11 @@ def test_ledger_agrees_with_model_state_bytes_under_adam():
     assert params * 2 <= memory["current"]["optimizer"] <= params * 2 + 64 * 8  # + step scalars
 
 
-def test_metering_samples_the_first_step_and_every_meter_every_after():
+def test_metering_samples_the_first_two_steps_and_every_meter_every_after():
     engine = workers.parity_engine("single", "mlp", "sgd")
     tracker = engine.memory
     decisions = [tracker.begin_step(i) for i in range(2 * METER_EVERY + 1)]
-    assert [i for i, on in enumerate(decisions) if on] == [0, METER_EVERY, 2 * METER_EVERY]
+    assert [i for i, on in enumerate(decisions) if on] == [0, 1, METER_EVERY, 2 * METER_EVERY]
 
 
 def test_budget_overflow_is_caught_on_the_first_step():

@@ -9,11 +9,13 @@ An engine makes a handful of calls and gets a per-worker ledger and a budget che
     self.memory.end_step()                                           # after the optimizer
 
 Why sampled steps: counting saved activations costs a Python call per tensor autograd
-saves, and walking the model state costs one per parameter. On the first step and every
-``METER_EVERY`` steps after, the tracker measures; in between, each call is a flag test.
-The first step is always measured, so a budget that the configuration exceeds fails on
-step 1, not 50 steps later. Shapes that grow later (a longer sequence) are caught at
-the next sampled step.
+saves, and walking the model state costs one per parameter. On the first two steps and
+every ``METER_EVERY`` steps after, the tracker measures; in between, each call is a flag
+test. The first step is always measured, so a budget that the configuration exceeds fails
+on step 1, not 50 steps later; the second is the first to run with everything a step
+holds from then on (the optimizer state the first step allocated, gradients kept in
+buckets), so a run of two steps has reached its steady peak, the one the planner
+predicts. Shapes that grow later (a longer sequence) are caught at the next sampled step.
 
 What is counted, on CPU: parameters, gradients and optimizer state by storage (gradients
 that are views into an all-reduce bucket count as gradients; that is where they live);
@@ -38,7 +40,7 @@ from paratrain.runtime.ledger import MemoryLedger, device_budget
 from paratrain.runtime.memory import ActivationMeter
 
 METER_EVERY = 50
-"""Memory is measured on the first step and every this-many steps after."""
+"""Memory is measured on the first two steps and every this-many steps after."""
 
 
 def _no_bytes() -> int:
@@ -113,7 +115,7 @@ class MemoryTracker:
 
     def begin_step(self, step_index: int) -> bool:
         """Decide whether step ``step_index`` (0-based) is measured; book the state if so."""
-        self.metering = step_index % self.meter_every == 0
+        self.metering = step_index < 2 or step_index % self.meter_every == 0
         if self.metering:
             self.account()
         return self.metering
