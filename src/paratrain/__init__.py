@@ -2,12 +2,14 @@
 
 engine = paratrain.setup(model, optimizer=..., loss_fn=..., strategy="dp")
 results = paratrain.launch(worker, devices=4)
+best = paratrain.plan(model, devices=4, global_batch=64, memory_per_device="16GiB", ...)
 """
 
 from paratrain.api import setup
 from paratrain.checkpoint import CheckpointError
 from paratrain.model_state import load_model_state
 from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
+from paratrain.planner import NoPlanFits, Plan, plan, predict
 from paratrain.runtime import WorkerError, is_main_process, launch
 from paratrain.runtime.ledger import DeviceOutOfMemory
 
@@ -23,6 +25,10 @@ __all__ = [
     "is_main_process",
     "launch",
     "load_model_state",
+    "NoPlanFits",
+    "Plan",
+    "plan",
+    "predict",
     "setup",
     "strategy_names",
 ]

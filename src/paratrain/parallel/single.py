@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.parallel import replica_cost
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
 from paratrain.parallel.clipping import clip_local
+from paratrain.parallel.cost_model import with_recompute
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
 from paratrain.parallel.options import RunSpec
@@ -53,6 +55,14 @@ class SingleDeviceEngine(Engine):
                 "pass --devices 1 or choose --strategy dp."
             )
         super().check_run(run)
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        return with_recompute([{}], layer_list) if devices == 1 else []
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        return replica_cost.predict(costs_for(1), machine, run, options, replicas=1)
 
     def __init__(
         self,

@@ -22,6 +22,8 @@ from torch import nn
 from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.checkpointing import load_engine_checkpoint, save_engine_checkpoint
 from paratrain.parallel.clipping import check_max_grad_norm
+from paratrain.parallel.cost_model import CATEGORIES, MachineCosts, ModelCosts, Prediction
+from paratrain.parallel.cost_model import Run as PlanRun
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.metric_tally import Metric, ObservedLoss, Tally
 from paratrain.parallel.options import RunSpec, StrategyOption
@@ -186,6 +188,26 @@ class Engine(ABC):
         """Lines the run summary adds for what ``run_metrics`` returned."""
         return []
 
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        """The option sets the planner proposes for this strategy on ``devices`` workers
+        (``layer_list``: whether the model is one, which recompute and stages need); none
+        by default: a strategy the planner does not model is never proposed."""
+        return []
+
+    @classmethod
+    def predict(
+        cls,
+        costs_for: Callable[[int], ModelCosts],
+        machine: MachineCosts,
+        run: PlanRun,
+        options: dict[str, Any],
+    ) -> Prediction | None:
+        """One worker's ledger at its peak and the seconds of a step for this layout, from
+        the measured costs (``costs_for(tensor)``: the model at that tensor degree); None
+        where the strategy does not model them."""
+        return None
+
     def run_metrics(self) -> dict[str, Any] | None:
         """Strategy-specific figures for the run summary and metrics file (None: none)."""
         return None
@@ -285,6 +307,19 @@ class Engine(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full canonical model state (as ``state_dict`` returns)."""
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """This worker's ledger: ``{category: {"current": bytes, "peak": bytes}, ...,
+        "total": {"current": bytes, "peak": bytes}}``, the total's peak being the highest
+        sum booked at one moment (what the planner's ``predicted_peak_bytes`` predicts;
+        a run reaches it from its second step)."""
+        ledger = self.memory.ledger
+        report = {
+            category: {"current": ledger.current[category], "peak": ledger.peak[category]}
+            for category in CATEGORIES
+        }
+        report["total"] = {"current": ledger.total, "peak": ledger.peak_total}
+        return report
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from paratrain.parallel import replica_cost
 from paratrain.parallel.batching import (
     batch_size,
     check_divisible,
@@ -47,6 +48,7 @@ from paratrain.parallel.batching import (
 )
 from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.clipping import clip_distributed, clip_local
+from paratrain.parallel.cost_model import divisors, with_recompute
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
@@ -119,6 +121,22 @@ class DataParallelEngine(ReplicaShare, Engine):
     @classmethod
     def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
         return cls.split_summary_lines(metrics)
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        """Replicas alone, and replicas x tensor for each tensor degree short of every
+        worker (that is ``tp``'s)."""
+        if devices < 2:
+            return []
+        tensors = [t for t in divisors(devices) if t < devices]
+        layouts = [{"tensor": t} if t > 1 else {} for t in tensors]
+        return with_recompute(layouts, layer_list)
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        tensor = cls.tensor_degree(run.devices, options)
+        replicas = cls.replicas(run.devices, options)
+        return replica_cost.predict(costs_for(tensor), machine, run, options, replicas)
 
     def __init__(
         self,

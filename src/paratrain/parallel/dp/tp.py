@@ -14,6 +14,9 @@ engine, with the tensor degree's default the only difference (``parallel/tensor`
 
 from __future__ import annotations
 
+from typing import Any
+
+from paratrain.parallel.cost_model import with_recompute
 from paratrain.parallel.dp.engine import DataParallelEngine
 from paratrain.parallel.registry import register
 
@@ -26,3 +29,8 @@ class TensorParallelEngine(DataParallelEngine):
     tensor_by_default = True
     default = False
     advice_rank = None  # its share depends on the plan: the advice suggests the others
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        """Every worker one tensor group (fewer are dp's layouts)."""
+        return with_recompute([{}], layer_list) if devices > 1 else []

@@ -56,6 +56,7 @@ from paratrain.parallel.batching import (
     to_device,
 )
 from paratrain.parallel.clipping import clip_distributed
+from paratrain.parallel.cost_model import divisors
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import as_arguments
@@ -63,6 +64,7 @@ from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, layer_list
 from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.options import RunSpec
+from paratrain.parallel.pipeline import cost as pipeline_cost
 from paratrain.parallel.pipeline import timeline_report
 from paratrain.parallel.pipeline.options import OPTIONS
 from paratrain.parallel.pipeline.p2p import StageLink
@@ -225,6 +227,43 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     @classmethod
     def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
         return cls.split_summary_lines(metrics)
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        """Every stage count (2 and up) that divides the workers, with 1, 2 and 4
+        micro-batches per stage, both schedules, every tensor degree of the rest, each
+        with and without recompute. Only for a layer list: the planner measures its
+        layers one by one, which is what a stage's costs are made of (a model cut at named
+        blocks is measured whole)."""
+        if not layer_list:
+            return []
+        layouts = []
+        for stages in (s for s in divisors(devices) if s >= 2):
+            for tensor in divisors(devices // stages):
+                for micro in (stages, 2 * stages, 4 * stages):
+                    for schedule in ("1f1b", "gpipe"):
+                        for recompute in (False, True):
+                            layout = {"stages": stages, "micro_batches": micro}
+                            if schedule != "1f1b":
+                                layout["schedule"] = schedule
+                            if tensor > 1:
+                                layout["tensor"] = tensor
+                            if recompute:
+                                layout["recompute"] = True
+                            layouts.append(layout)
+        return layouts
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        tensor = cls.tensor_degree(run.devices, options)
+        return pipeline_cost.predict(
+            costs_for(tensor),
+            costs_for(1),
+            machine,
+            run,
+            options,
+            replicas=cls.replicas(run.devices, options),
+        )
 
     @classmethod
     def model_state_per_worker(

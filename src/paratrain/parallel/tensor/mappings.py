@@ -8,7 +8,10 @@ computed a partial product over its input slice, so forward sums them (one all-r
 every rank then holds the whole output, whose gradient is already whole: backward is the
 identity. A colwise/rowwise pair therefore costs one all-reduce forward and one backward.
 
-``CALLS`` counts them, so tests (and the run summary) can check that count.
+``CALLS`` counts them and ``BYTES`` their payload, so tests (and the run summary) can check
+those counts. A layer split with ``group=LOCAL`` runs on one process as one member of a
+tensor group would, its operators counting what they would send and sending nothing: the
+planner measures a split model's memory and compute that way, without workers.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from paratrain.runtime import comm
 
 CALLS: Counter[str] = Counter()
 """All-reduces issued by the two operators, by direction ("forward", "backward")."""
+BYTES: Counter[str] = Counter()
+"""Their payload bytes, by direction."""
+LOCAL: Any = "local tensor group"
+"""A tensor group simulated on one process (see the module docstring)."""
 
 
 def _summed(tensor: torch.Tensor, group: ProcessGroup | None, direction: str) -> torch.Tensor:
@@ -30,7 +37,9 @@ def _summed(tensor: torch.Tensor, group: ProcessGroup | None, direction: str) ->
     tensors in some collectives; the copy also leaves autograd's tensor untouched)."""
     out = tensor.contiguous().clone()
     CALLS[direction] += 1
-    comm.all_reduce_sum(out, group=group)
+    BYTES[direction] += out.numel() * out.element_size()
+    if group is not LOCAL:
+        comm.all_reduce_sum(out, group=group)
     return out
 
 

@@ -87,6 +87,7 @@ from paratrain.parallel.batching import (
 )
 from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.clipping import clip_distributed
+from paratrain.parallel.cost_model import divisors, with_recompute
 from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
@@ -105,6 +106,7 @@ from paratrain.parallel.strategy import (
 )
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.tensor.options import TENSOR
+from paratrain.parallel.zero import cost as zero_cost
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
 from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
@@ -414,6 +416,22 @@ class _ReplicatedParameters(ZeroEngine):
     def run_metrics(self) -> dict[str, Any] | None:
         return self.split_metrics(list(self.model.parameters()), self._parameters) or None
 
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        """Sharding over every worker, or over the replicas of each tensor degree."""
+        if devices < 2:
+            return []
+        tensors = [t for t in divisors(devices) if t < devices]
+        return with_recompute([{"tensor": t} if t > 1 else {} for t in tensors], layer_list)
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        tensor = cls.tensor_degree(run.devices, options)
+        replicas = cls.replicas(run.devices, options)
+        return zero_cost.predict(
+            costs_for(tensor), machine, run, options, stage=cls.stage, replicas=replicas
+        )
+
     def __init__(
         self,
         model: nn.Module,
@@ -558,6 +576,14 @@ class Zero3Engine(ZeroEngine):
     @classmethod
     def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
         return 1.0 / workers
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        return with_recompute([{}], layer_list) if devices > 1 else []
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        return zero_cost.predict(costs_for(1), machine, run, options, stage=3, replicas=run.devices)
 
     @classmethod
     def model_state_per_worker(

@@ -1,0 +1,326 @@
+"""How right the planner is: its predictions against real runs, on this machine.
+
+Memory: for each configuration (every strategy, 2 and 4 workers, fp32 and bf16, recompute
+on and off, on ``mlp``, ``gpt`` and a model of the user's own blocks), the planner's
+``predicted_peak_bytes`` (``paratrain.predict``) against the peak ledger total the run
+books (``engine.memory_report()``, the highest worker) after a few steps.
+
+Choice: for each scenario (a model that fits each worker, one that fits only sharded, one
+that fits only split, under ``memory_per_device``), every candidate the planner predicts
+to fit is run for a few steps; reported are the chosen plan's measured step time against
+the fastest measured candidate's, whether any candidate predicted to fit ran out of
+memory, and the Spearman rank correlation of predicted and measured step times.
+
+    python benchmarks/bench_planner.py                 # both parts
+    python benchmarks/bench_planner.py --part memory   # or choice
+    python benchmarks/bench_planner.py --json out.json
+
+Step times are medians over the timed steps of one launch; on a loaded CPU with more
+workers than cores they are noisy, which the ranking figure shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import paratrain
+from paratrain.models import build_model, loss_for
+from paratrain.planner.api import predict
+from paratrain.planner.choose import NoPlanFits
+from paratrain.runtime.launch import WorkerError
+from paratrain.runtime.units import format_bytes
+
+MODELS = {
+    "mlp": {
+        "kind": "mlp",
+        "options": {"in_features": 256, "hidden": 512, "depth": 3, "classes": 10},
+    },
+    "gpt": {
+        "kind": "gpt",
+        "options": {"vocab_size": 65, "block_size": 32, "n_layer": 4, "n_head": 4, "n_embd": 128},
+    },
+    "blocks": {"kind": "blocks", "options": {"width": 128, "hidden": 512, "depth": 4}},
+}
+"""``blocks``: no reference model, the user's own residual blocks as an nn.Sequential."""
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def build(name: str, overrides: dict | None = None) -> nn.Module:
+    spec = MODELS[name]
+    options = {**spec["options"], **(overrides or {})}
+    torch.manual_seed(0)
+    if spec["kind"] == "blocks":
+        width = options["width"]
+        return nn.Sequential(
+            nn.Linear(64, width),
+            *(Block(width, options["hidden"]) for _ in range(options["depth"])),
+            nn.Linear(width, 10),
+        )
+    return build_model(spec["kind"], **options)
+
+
+def loss(name: str):
+    return loss_for("gpt" if MODELS[name]["kind"] == "gpt" else "mlp")
+
+
+def batch(name: str, size: int, overrides: dict | None = None, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    options = {**MODELS[name]["options"], **(overrides or {})}
+    if MODELS[name]["kind"] == "gpt":
+        shape = (size, options["block_size"])
+        return (
+            torch.randint(0, options["vocab_size"], shape, generator=generator),
+            torch.randint(0, options["vocab_size"], shape, generator=generator),
+        )
+    features = 64 if MODELS[name]["kind"] == "blocks" else options["in_features"]
+    return (
+        torch.randn(size, features, generator=generator),
+        torch.randint(0, 10, (size,), generator=generator),
+    )
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def run_worker(name, overrides, strategy, setup_options, global_batch, steps, budget):
+    """Train ``steps`` steps; this worker's peak ledger total and median step seconds."""
+    options = dict(setup_options)
+    engine = paratrain.setup(
+        build(name, overrides),
+        optimizer=adam,
+        loss_fn=loss(name),
+        strategy=strategy,
+        memory_per_device=budget,
+        **options,
+    )
+    seconds = []
+    for step in range(steps):
+        x, y = batch(name, global_batch, overrides, seed=step)
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        engine.train_step(x, y)
+        seconds.append(time.perf_counter() - start)
+    report = engine.memory_report()
+    return {"peak": report["total"]["peak"], "step_s": statistics.median(seconds[1:])}
+
+
+def measure(name, overrides, strategy, options, devices, global_batch, steps, budget=None):
+    """The run's highest worker peak and its step time (the slowest worker's), or None
+    where a worker ran out of its budget."""
+    args = (name, overrides, strategy, options, global_batch, steps, budget)
+    try:
+        if strategy == "single":
+            results = [run_worker(*args)]
+        else:
+            results = paratrain.launch(run_worker, devices=devices, args=args)
+    except WorkerError as error:
+        if "DeviceOutOfMemory" in error.details:
+            return None
+        raise
+    return {
+        "peak": max(r["peak"] for r in results),
+        "step_s": max(r["step_s"] for r in results),
+    }
+
+
+MEMORY_CONFIGS = [
+    # (model, strategy, devices, options)
+    ("mlp", "single", 1, {}),
+    ("mlp", "dp", 2, {}),
+    ("mlp", "zero1", 2, {}),
+    ("mlp", "zero2", 4, {"recompute": True}),
+    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4}),
+    ("gpt", "dp", 4, {"precision": "bf16"}),
+    ("gpt", "zero3", 4, {}),
+    ("gpt", "tp", 2, {}),
+    ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "gpipe"}),
+    ("gpt", "pipeline", 4, {"stages": 2, "tensor": 2, "micro_batches": 4, "recompute": True}),
+    ("gpt", "dp", 4, {"tensor": 2, "recompute": True}),
+    ("gpt", "single", 1, {"precision": "bf16", "gradient_accumulation": 2}),
+    ("blocks", "dp", 2, {"recompute": True}),
+    ("blocks", "zero1", 4, {"tensor": 2}),
+    ("blocks", "pipeline", 2, {"stages": 2, "precision": "bf16"}),
+    ("blocks", "tp", 4, {}),
+]
+
+
+def memory_part(global_batch: int, steps: int) -> list[dict]:
+    print("\n| model | strategy | workers | options | predicted peak | measured peak | error |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for name, strategy, devices, options in MEMORY_CONFIGS:
+        x, y = batch(name, global_batch)
+        fixed = dict(options)
+        precision = fixed.pop("precision", "fp32")
+        accumulation = fixed.pop("gradient_accumulation", 1)
+        plan = predict(
+            build(name),
+            strategy=strategy,
+            devices=devices,
+            global_batch=global_batch,
+            optimizer=adam,
+            loss_fn=loss(name),
+            sample=(x, y),
+            precision=precision,
+            gradient_accumulation=accumulation,
+            **fixed,
+        )
+        measured = measure(name, None, strategy, plan.options, devices, global_batch, steps)
+        error = plan.predicted_peak_bytes / measured["peak"] - 1
+        row = {
+            "model": name,
+            "strategy": strategy,
+            "devices": devices,
+            "options": options,
+            "predicted_peak": plan.predicted_peak_bytes,
+            "measured_peak": measured["peak"],
+            "error": error,
+            "predicted_step_s": plan.predicted_step_s,
+            "measured_step_s": measured["step_s"],
+        }
+        rows.append(row)
+        shown = ", ".join(f"{k}={v}" for k, v in options.items()) or "-"
+        print(
+            f"| {name} | {strategy} | {devices} | {shown} | "
+            f"{format_bytes(plan.predicted_peak_bytes)} | {format_bytes(measured['peak'])} | "
+            f"{error:+.1%} |",
+            flush=True,
+        )
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"\nworst memory error: {worst:.1%} over {len(rows)} configurations")
+    return rows
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        for position, index in enumerate(order):
+            out[index] = float(position)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return 1.0
+    d = sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True))
+    return 1 - 6 * d / (n * (n * n - 1))
+
+
+SCENARIOS = [
+    # (label, model, model overrides, devices, global batch, budget)
+    ("fits each worker", "mlp", {}, 2, 32, "64MiB"),
+    ("fits only sharded", "gpt", {"n_embd": 256, "n_layer": 4}, 4, 16, "26MiB"),
+    ("fits only split", "blocks", {"width": 512, "hidden": 2048, "depth": 2}, 4, 16, "40MiB"),
+]
+
+
+def choice_part(steps: int) -> list[dict]:
+    rows = []
+    for label, name, overrides, devices, global_batch, budget in SCENARIOS:
+        print(f"\n## {label}: {name} {overrides}, {devices} workers x {budget}", flush=True)
+        try:
+            plan = paratrain.plan(
+                build(name, overrides),
+                devices=devices,
+                global_batch=global_batch,
+                memory_per_device=budget,
+                optimizer=adam,
+                loss_fn=loss(name),
+                sample=batch(name, global_batch, overrides),
+                gradient_accumulation=1,
+            )
+        except NoPlanFits as error:
+            print(f"no plan fits: {error}")
+            continue
+        print(plan.summary())
+        fitting = [
+            c for c in plan.candidates if c.verdict == "chosen" or c.verdict.startswith("fits")
+        ]
+        results = []
+        for candidate in fitting:
+            measured = measure(
+                name,
+                overrides,
+                candidate.strategy,
+                candidate.setup_options,
+                devices,
+                global_batch,
+                steps,
+                budget,
+            )
+            results.append((candidate, measured))
+            status = (
+                "OUT OF MEMORY"
+                if measured is None
+                else (f"{measured['step_s']:.3f} s, peak {format_bytes(measured['peak'])}")
+            )
+            print(
+                f"  {candidate.strategy:<9} {candidate.mesh(devices):<6} "
+                f"{candidate.describe_options():<40} predicted {candidate.prediction.step_s:.3f} s "
+                f"{format_bytes(candidate.peak):>10}; measured {status}",
+                flush=True,
+            )
+        ran = [(c, m) for c, m in results if m is not None]
+        oom = [c for c, m in results if m is None]
+        chosen = next(m for c, m in results if c.verdict == "chosen")
+        fastest = min(m["step_s"] for _, m in ran)
+        rho = spearman([c.prediction.step_s for c, _ in ran], [m["step_s"] for _, m in ran])
+        row = {
+            "scenario": label,
+            "candidates_run": len(results),
+            "out_of_memory": len(oom),
+            "chosen": plan.strategy,
+            "chosen_options": plan.options,
+            "chosen_over_fastest": chosen["step_s"] / fastest if chosen else None,
+            "spearman": rho,
+        }
+        rows.append(row)
+        print(
+            f"chosen {plan.strategy}: {row['chosen_over_fastest']:.2f}x the fastest measured; "
+            f"{len(oom)} of {len(results)} predicted to fit ran out of memory; Spearman {rho:.2f}"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("memory", "choice", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first untimed)")
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}; {args.steps} steps per run")
+    out = {}
+    if args.part in ("memory", "both"):
+        out["memory"] = memory_part(args.global_batch, args.steps)
+    if args.part in ("choice", "both"):
+        out["choice"] = choice_part(args.steps)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

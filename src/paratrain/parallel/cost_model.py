@@ -1,0 +1,299 @@
+"""What the planner measures and what a strategy predicts from it: pure data and arithmetic.
+
+The planner (``paratrain/planner``) measures a model once per precision and tensor degree
+(``ModelCosts``: per layer, its parameter bytes, the bytes autograd saves and the seconds
+forward and backward take, each as a line in the micro-batch size) and this machine's
+collectives once (``MachineCosts``); each strategy then predicts, without running
+anything, what one worker of a layout holds and how long a step takes (``Prediction``),
+in its own ``cost.py``. So a candidate costs microseconds to evaluate and the planner
+can print every one of them.
+
+The memory a prediction gives is the ledger's (``runtime/ledger``): parameters, gradients,
+optimizer state, activations saved for backward and communication buffers, as the engine
+books them at its metering points, at the step on which the total peaks (a run's second
+step on: the optimizer state exists from the first step's end).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication")
+
+
+@dataclass(frozen=True)
+class Line:
+    """``intercept + slope * samples``: a cost measured at two micro-batch sizes."""
+
+    intercept: float
+    slope: float
+
+    def at(self, samples: float) -> float:
+        return max(0.0, self.intercept + self.slope * samples)
+
+    def __add__(self, other: Line) -> Line:
+        return Line(self.intercept + other.intercept, self.slope + other.slope)
+
+    @classmethod
+    def zero(cls) -> Line:
+        return cls(0.0, 0.0)
+
+    @classmethod
+    def through(cls, small: tuple[float, float], large: tuple[float, float]) -> Line:
+        """The line through (samples, value) ``small`` and ``large``; a flat one at
+        ``large``'s value where they share a size."""
+        (x0, y0), (x1, y1) = small, large
+        if x1 == x0:
+            return cls(y1, 0.0)
+        slope = (y1 - y0) / (x1 - x0)
+        return cls(y1 - slope * x1, slope)
+
+
+def total(lines: list[Line]) -> Line:
+    out = Line.zero()
+    for line in lines:
+        out = out + line
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer of a layer list (or the whole model where it is none), as one worker of
+    the measured tensor degree holds and runs it."""
+
+    name: str
+    param_bytes: int
+    """Bytes of its trainable parameters this worker holds (its slices where split)."""
+    all_param_elements: int
+    """Elements of all its parameters, frozen ones too (what the pipeline balances by)."""
+    param_elements: int
+    param_tensors: int
+    frozen_bytes: int
+    """Parameters that do not train (no gradient, no optimizer state), and buffers."""
+    frozen_params: int
+    """How many parameters that do not train it has (a recompute segment starts at any
+    layer with parameters)."""
+    saved: Line
+    """Bytes autograd saves in its forward that no earlier layer saved."""
+    input_saved: Line
+    """Bytes of saved storages an earlier layer made (its input): a stage starting here
+    holds its own received copy of them."""
+    input_bytes: Line
+    """Bytes of its input: what a recompute segment starting here keeps."""
+    output_bytes: Line
+    """Bytes of its output: what crosses a stage boundary after it."""
+    time_s: Line
+    """Seconds of its forward and backward."""
+    forward_s: Line
+    """Seconds of its forward alone (recompute runs it twice)."""
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """The user's optimizer, measured: state bytes per element and per parameter tensor
+    (Adam: 8 per element, a 4-byte step per tensor; SGD with momentum: 4 per element),
+    and seconds of one step per parameter element."""
+
+    bytes_per_element: float
+    bytes_per_tensor: float
+    step_s_per_element: float
+    name: str = "optimizer"
+
+    def state_bytes(self, elements: float, tensors: float) -> float:
+        return self.bytes_per_element * elements + self.bytes_per_tensor * tensors
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """A model measured at one precision and tensor degree (``tensor`` 1: unsplit)."""
+
+    layers: tuple[LayerCost, ...]
+    layer_list: bool
+    """Whether ``layers`` are the model's layer list (else one entry: the whole model)."""
+    tensor: int
+    precision: str
+    parameters: int
+    """Elements of the whole (unsplit) model's parameters."""
+    optimizer: OptimizerCost
+    tensor_messages: Line = field(default_factory=Line.zero)
+    """All-reduces a worker's tensor group makes per micro-batch (count)."""
+    tensor_bytes: Line = field(default_factory=Line.zero)
+    """Their payload bytes per micro-batch."""
+    inputs_saved: Line = field(default_factory=Line.zero)
+    """Bytes of the batch's inputs the first layer saves (token ids, features), as a line
+    in the samples of the tensor they belong to (see ``batch_storage``)."""
+    targets_saved: Line = field(default_factory=Line.zero)
+    """Bytes of the targets the loss saves, likewise."""
+    loss_saved: Line = field(default_factory=Line.zero)
+    """Bytes the loss saves of its own (log-probabilities), in the micro-batch's samples."""
+
+    def param_bytes(self, layers: range | None = None) -> int:
+        return sum(layer.param_bytes for layer in self._pick(layers))
+
+    def _pick(self, layers: range | None) -> tuple[LayerCost, ...]:
+        return self.layers if layers is None else tuple(self.layers[i] for i in layers)
+
+    def elements(self, layers: range | None = None) -> int:
+        return sum(layer.param_elements for layer in self._pick(layers))
+
+    def tensors(self, layers: range | None = None) -> int:
+        return sum(layer.param_tensors for layer in self._pick(layers))
+
+    def frozen_bytes(self, layers: range | None = None) -> int:
+        return sum(layer.frozen_bytes for layer in self._pick(layers))
+
+    def optimizer_bytes(self, layers: range | None = None, share: float = 1.0) -> float:
+        return self.optimizer.state_bytes(self.elements(layers) * share, self.tensors(layers))
+
+    def time(self, samples: float, layers: range | None = None) -> float:
+        return sum(layer.time_s.at(samples) for layer in self._pick(layers))
+
+    def forward_time(self, samples: float, layers: range | None = None) -> float:
+        return sum(layer.forward_s.at(samples) for layer in self._pick(layers))
+
+    def saved(
+        self,
+        samples: float,
+        layers: range | None = None,
+        *,
+        batch_samples: float | None = None,
+    ) -> float:
+        """Activation bytes one micro-batch of ``samples`` leaves saved in ``layers`` (all
+        by default): their own, what the first of them saves of its input where an earlier
+        layer made it, and the batch's own tensors the first and last layers save, at
+        ``batch_samples`` (the storage they are views of; ``samples`` by default)."""
+        picked = range(len(self.layers)) if layers is None else layers
+        if not len(picked):
+            return 0.0
+        batch = samples if batch_samples is None else batch_samples
+        own = sum(self.layers[i].saved.at(samples) for i in picked)
+        total_bytes = own + self.layers[picked[0]].input_saved.at(samples)
+        if picked[0] == 0:
+            total_bytes += self.inputs_saved.at(batch)
+        if picked[-1] == len(self.layers) - 1:
+            total_bytes += self.targets_saved.at(batch) + self.loss_saved.at(samples)
+        return total_bytes
+
+    def recomputed_saved(
+        self, samples: float, layers: range | None = None, *, batch_samples: float | None = None
+    ) -> float:
+        """What a recomputed run keeps of one micro-batch in ``layers``: the input of each
+        segment (``recompute``: each layer with parameters starts one; a pipeline stage's
+        first layer starts one too), and the loss's saved tensors and targets."""
+        picked = range(len(self.layers)) if layers is None else layers
+        if not len(picked):
+            return 0.0
+        batch = samples if batch_samples is None else batch_samples
+        kept = 0.0
+        for i in picked:
+            layer = self.layers[i]
+            if i == picked[0] or layer.param_bytes or layer.frozen_params:
+                kept += self.inputs_saved.at(batch) if i == 0 else layer.input_bytes.at(samples)
+        if picked[-1] == len(self.layers) - 1:
+            kept += self.targets_saved.at(batch) + self.loss_saved.at(samples)
+        return kept
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """This machine's collectives over ``backend``, measured with local workers."""
+
+    cores: int
+    backend: str
+    all_reduce: dict[int, Line]
+    """Group size -> seconds of one all-reduce as a line in its payload bytes."""
+    send: Line
+    """Seconds of one point-to-point message as a line in its bytes."""
+
+    def all_reduce_s(self, payload_bytes: float, group: int, messages: float = 1.0) -> float:
+        """Seconds of ``messages`` all-reduces of ``payload_bytes`` in all over ``group``."""
+        if group <= 1 or messages <= 0:
+            return 0.0
+        line = self.all_reduce.get(group) or self._nearest(group)
+        return messages * line.intercept + line.slope * payload_bytes
+
+    def _nearest(self, group: int) -> Line:
+        """A group size not measured: the measured one nearest, its time scaled by the ring
+        factor 2(n-1)/n per byte and log2(n) per message."""
+        size = min(self.all_reduce, key=lambda n: abs(math.log2(n) - math.log2(group)))
+        line = self.all_reduce[size]
+        per_byte = (2 * (group - 1) / group) / (2 * (size - 1) / size)
+        return Line(line.intercept * math.log2(group) / math.log2(size), line.slope * per_byte)
+
+    def compute_share(self, workers: int) -> float:
+        """How much slower compute runs when ``workers`` processes share ``cores``."""
+        return max(1.0, workers / max(1, self.cores))
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run a layout is asked to fit: fixed by the caller."""
+
+    devices: int
+    global_batch: int
+    gradient_accumulation: int = 1
+    precision: str = "fp32"
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One worker of a layout: the ledger at its peak (the worker that peaks highest), and
+    the seconds of an optimizer step."""
+
+    memory: dict[str, int]
+    step_s: float
+    notes: tuple[str, ...] = ()
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def with_recompute(layouts: list[dict], layer_list: bool) -> list[dict]:
+    """Each layout as it is and, for a layer list, with ``recompute=True`` too."""
+    if not layer_list:
+        return layouts
+    return [variant for layout in layouts for variant in (layout, {**layout, "recompute": True})]
+
+
+def ledger_at_peak(
+    *,
+    parameters: float,
+    gradients: float,
+    optimizer: float,
+    activations: float,
+    communication: float = 0.0,
+    gradients_persist: bool,
+    communication_at_end: float = 0.0,
+) -> dict[str, int]:
+    """The categories at the moment the ledger's total peaks.
+
+    The ledger books activations after each forward and the model state at each step's
+    start and end. Gradients kept in buckets or flat shards (engines that reduce them)
+    are there during forward; gradients set to None at each step's start are not, and
+    come back only at its end, when the activations are gone. So the peak is the larger
+    of the two moments.
+    """
+    base = {"parameters": parameters, "optimizer": optimizer}
+    during = {
+        **base,
+        "gradients": gradients if gradients_persist else 0.0,
+        "activations": activations,
+        "communication": communication,
+    }
+    after = {
+        **base,
+        "gradients": gradients,
+        "activations": 0.0,
+        "communication": communication_at_end,
+    }
+    chosen = during if sum(during.values()) >= sum(after.values()) else after
+    return {category: int(round(chosen[category])) for category in CATEGORIES}

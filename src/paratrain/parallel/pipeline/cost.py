@@ -1,0 +1,124 @@
+"""The pipeline's arithmetic for the planner: each stage's ledger, and the step time.
+
+Stages are cut as the engine cuts them (``partition`` on the unsplit model's layers: by
+parameters unless ``balance_by`` or ``balance`` say otherwise); the worker whose ledger
+peaks highest speaks for the plan. A stage holds its layers' parameters (its slices
+under ``tensor``), their gradients (kept between steps in the replicas' buckets, set to
+None at each step's start without replicas), their optimizer state, the activations of
+the micro-batches its schedule has in flight (1F1B: ``min(stages - stage, m)``, GPipe:
+all ``m``; under ``recompute`` only each one's stage input), and the point-to-point
+buffers (``p2p``): the round's sends until the flush (activations and the header to the
+next stage, input gradients and the loss to the previous one), and the gradient receives
+posted for the micro-batches in flight.
+
+A step is ``m + stages - 1`` slots of the slowest stage's micro-batch (the bubble), each
+with its sends, then the replicas' gradient all-reduce and the optimizer step, per
+accumulation round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
+from paratrain.parallel.layer_profile import LayerProfile
+from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
+from paratrain.parallel.pipeline.structure import HEADER_BYTES
+from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
+
+LOSS_BYTES = 4
+
+
+def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: float):
+    """The engine's balance for this model (see ``choose_balance``)."""
+    given = options.get("balance")
+    if given is not None:
+        return validate_balance(given, layers=len(unsplit.layers), stages=stages)
+    profiles = [
+        LayerProfile(
+            param_count=layer.all_param_elements,
+            param_bytes=layer.param_bytes,
+            forward_backward_s=max(layer.time_s.at(samples), 1e-9),
+            activation_bytes=int(layer.saved.at(samples)),
+        )
+        for layer in unsplit.layers
+    ]
+    return partition(options.get("balance_by", "params"), profiles, stages)
+
+
+def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
+    if schedule == "gpipe":
+        return micro_batches
+    return min(stages - stage, micro_batches)
+
+
+def predict(
+    costs: ModelCosts,
+    unsplit: ModelCosts,
+    machine: MachineCosts,
+    run: Run,
+    options: dict[str, Any],
+    *,
+    replicas: int,
+) -> Prediction:
+    stages = options.get("stages", 2)
+    micro = options.get("micro_batches") or 2 * stages
+    schedule = options.get("schedule", "1f1b")
+    recompute = bool(options.get("recompute"))
+    rounds = run.gradient_accumulation
+    samples = run.global_batch / (replicas * rounds * micro)
+    bounds = stage_bounds(balance(unsplit, stages, options, samples))
+    worst: dict[str, int] | None = None
+    slowest = 0.0
+    largest_stage = 0
+    for stage, (start, end) in enumerate(bounds):
+        layers = range(start, end)
+        held = in_flight(schedule, stages, stage, micro)
+        if recompute:
+            one = costs.recomputed_saved(samples, layers, batch_samples=run.global_batch)
+        else:
+            one = costs.saved(samples, layers, batch_samples=run.global_batch)
+        first, last = stage == 0, stage == stages - 1
+        out = costs.layers[end - 1].output_bytes.at(samples)
+        grad_in = costs.layers[start].input_bytes.at(samples) if not first else 0.0
+        sends = (0 if last else micro * out + HEADER_BYTES) + (
+            0 if first else micro * grad_in + LOSS_BYTES
+        )
+        posted = 0 if last else held * out
+        params = costs.param_bytes(layers)
+        memory = ledger_at_peak(
+            parameters=params + costs.frozen_bytes(layers),
+            gradients=params,
+            optimizer=costs.optimizer_bytes(layers),
+            activations=held * one,
+            communication=sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0),
+            gradients_persist=replicas > 1,
+        )
+        if worst is None or sum(memory.values()) > sum(worst.values()):
+            worst = memory
+        per_micro = costs.time(samples, layers) + (
+            costs.forward_time(samples, layers) if recompute else 0.0
+        )
+        per_micro += machine.send.at(out) if not last else 0.0
+        slowest = max(slowest, per_micro)
+        largest_stage = max(largest_stage, costs.elements(layers))
+    workers = replicas * stages * costs.tensor
+    share = machine.compute_share(workers)
+    compute = share * (
+        rounds * (micro + stages - 1) * slowest + costs.optimizer.step_s_per_element * largest_stage
+    )
+    params_largest = max(costs.param_bytes(range(s, e)) for s, e in bounds)
+    communication = machine.all_reduce_s(params_largest, replicas) + machine.all_reduce_s(
+        rounds * micro * costs.tensor_bytes.at(samples) / stages,
+        costs.tensor,
+        messages=rounds * micro * costs.tensor_messages.at(samples) / stages,
+    )
+    notes = [f"{workers} workers share {machine.cores} cores"] if workers > machine.cores else []
+    notes.append(f"bubble {(stages - 1) / (micro + stages - 1):.0%}")
+    return Prediction(
+        memory=worst or {},
+        step_s=compute + communication,
+        notes=tuple(notes),
+        compute_s=compute,
+        communication_s=communication,
+    )

@@ -1,0 +1,88 @@
+"""A replica's arithmetic for the planner (single, dp and tp; ZeRO builds on it): one
+worker's ledger and step time from measured costs.
+
+A worker of ``replicas x tensor`` holds its slices of the split layers and everything else
+whole (``costs`` measured at its tensor degree): parameters, their gradients (in the
+all-reduce buckets, kept between steps, where there are replicas; set to None at each
+step's start where there are none), the optimizer's state of them, the activations one
+micro-batch of its share leaves saved (only the segment inputs under ``recompute``), and
+the buckets' two extra slots (the loss, the count of unused parameters). A step is the
+micro-batches' forward and backward (a recomputed forward more under ``recompute``), the
+tensor group's all-reduces, the replicas' gradient all-reduce and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paratrain.parallel.cost_model import (
+    MachineCosts,
+    ModelCosts,
+    Prediction,
+    Run,
+    ledger_at_peak,
+)
+
+EXTRA_SLOT_BYTES = 8
+"""The loss and the unused-parameter count riding in the last bucket (fp32 each)."""
+
+
+def activations(costs: ModelCosts, run: Run, samples: float, recompute: bool) -> float:
+    """What one micro-batch of ``samples`` leaves saved, the batch's tensors as views of
+    the global batch (``ModelCosts.inputs_saved``)."""
+    if recompute:
+        return costs.recomputed_saved(samples, batch_samples=run.global_batch)
+    return costs.saved(samples, batch_samples=run.global_batch)
+
+
+def compute_seconds(costs: ModelCosts, samples: float, micro_batches: int, recompute: bool):
+    """Forward and backward of every micro-batch (and the recomputed forwards)."""
+    per_micro = costs.time(samples) + (costs.forward_time(samples) if recompute else 0.0)
+    return micro_batches * per_micro
+
+
+def tensor_seconds(costs: ModelCosts, machine: MachineCosts, samples: float, micro: int):
+    """The tensor group's all-reduces of ``micro`` micro-batches."""
+    return machine.all_reduce_s(
+        micro * costs.tensor_bytes.at(samples),
+        costs.tensor,
+        messages=micro * costs.tensor_messages.at(samples),
+    )
+
+
+def predict(
+    costs: ModelCosts, machine: MachineCosts, run: Run, options: dict[str, Any], replicas: int
+) -> Prediction:
+    """A replica among ``replicas`` (1: the single-device engine), at ``costs``' tensor
+    degree."""
+    accumulation = run.gradient_accumulation
+    samples = run.global_batch / (replicas * accumulation)
+    recompute = bool(options.get("recompute"))
+    params = costs.param_bytes()
+    memory = ledger_at_peak(
+        parameters=params + costs.frozen_bytes(),
+        gradients=params,
+        optimizer=costs.optimizer_bytes(),
+        activations=activations(costs, run, samples, recompute),
+        communication=EXTRA_SLOT_BYTES if replicas > 1 else 0,
+        communication_at_end=EXTRA_SLOT_BYTES if replicas > 1 else 0,
+        gradients_persist=replicas > 1,
+    )
+    workers = replicas * costs.tensor
+    compute = machine.compute_share(workers) * (
+        compute_seconds(costs, samples, accumulation, recompute)
+        + costs.optimizer.step_s_per_element * costs.elements()
+    )
+    communication = machine.all_reduce_s(params, replicas) + tensor_seconds(
+        costs, machine, samples, accumulation
+    )
+    notes = []
+    if workers > machine.cores:
+        notes.append(f"{workers} workers share {machine.cores} cores")
+    return Prediction(
+        memory=memory,
+        step_s=compute + communication,
+        notes=tuple(notes),
+        compute_s=compute,
+        communication_s=communication,
+    )

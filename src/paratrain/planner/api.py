@@ -1,0 +1,293 @@
+"""``paratrain.plan`` and ``paratrain.predict``: how to split a model over these devices.
+
+``plan`` measures the model once per precision and tensor degree on one process
+(``measure``), takes this machine's collectives from the cache or measures them
+(``machine``), asks every registered strategy for its layouts and its prediction of each
+(``Engine.plan_layouts``, ``Engine.predict``), and ranks them (``choose``). ``predict``
+does the same for one layout the caller fixes. Inside a job (``setup(strategy="auto")``)
+``plan_in_job`` plans on rank 0, every worker taking part in the collective
+measurements, and hands every worker the same answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.parallel.batching import batch_size
+from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Run
+from paratrain.parallel.layers import LayerListError, layer_list
+from paratrain.parallel.options import RunSpec
+from paratrain.parallel.registry import strategy_class, strategy_names
+from paratrain.parallel.strategy import engine_options
+from paratrain.planner.choose import Candidate, Plan, rank
+from paratrain.planner.machine import machine_costs
+from paratrain.planner.measure import measure_model, measure_optimizer
+from paratrain.runtime import comm
+from paratrain.runtime.launch import default_device_count
+from paratrain.runtime.units import parse_size
+
+ACCUMULATIONS = (1, 2, 4)
+"""Gradient accumulation tried where the caller leaves it open."""
+
+
+class ModelMeasurements:
+    """The model's costs, measured when first asked for, per (precision, tensor degree)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: tuple[Any, Any],
+        *,
+        loss_fn: Callable,
+        optimizer: Callable,
+        tp_plan: dict[str, str] | None = None,
+    ) -> None:
+        self.model, self.sample, self.loss_fn, self.tp_plan = model, sample, loss_fn, tp_plan
+        self.optimizer = measure_optimizer(optimizer)
+        self._costs: dict[tuple[str, int], ModelCosts | ValueError] = {}
+
+    def costs(self, precision: str, tensor: int) -> ModelCosts:
+        key = (precision, tensor)
+        if key not in self._costs:
+            try:
+                self._costs[key] = measure_model(
+                    self.model,
+                    self.sample,
+                    loss_fn=self.loss_fn,
+                    optimizer=self.optimizer,
+                    precision=precision,
+                    tensor=tensor,
+                    tp_plan=self.tp_plan,
+                )
+            except ValueError as error:  # a split the model cannot take
+                self._costs[key] = error
+        found = self._costs[key]
+        if isinstance(found, ValueError):
+            raise found
+        return found
+
+
+def _is_layer_list(model: nn.Module) -> bool:
+    try:
+        layer_list(model)
+    except LayerListError:
+        return False
+    return True
+
+
+ENUMERATED = ("stages", "micro_batches", "schedule", "tensor", "recompute")
+"""Options the layouts search over: one the caller fixes keeps only the layouts with it."""
+
+
+def _agrees(name: str, layout: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any] | None:
+    """``layout`` with the caller's fixed options, or None where it has another value of an
+    option the layouts search over, or the strategy does not take a fixed option."""
+    cls = strategy_class(name)
+    accepted = set(engine_options(cls))
+    defaults = {option.name: option.default for option in cls.options}
+    for key, value in fixed.items():
+        if key not in accepted:
+            return None
+        if key in ENUMERATED and layout.get(key, defaults.get(key)) != value:
+            return None
+    return {**layout, **fixed}
+
+
+def candidates(
+    model: nn.Module,
+    *,
+    devices: int,
+    global_batch: int,
+    strategies: Iterable[str],
+    accumulations: Iterable[int],
+    precisions: Iterable[str],
+    fixed: dict[str, Any],
+) -> list[Candidate]:
+    """Every valid (strategy, options, accumulation, precision) for this run; a layout whose
+    mesh or batch split the strategy refuses is never proposed."""
+    listed = _is_layer_list(model)
+    layers = len(layer_list(model)[0]) if listed else 1
+    out = []
+    for name in strategies:
+        cls = strategy_class(name)
+        for layout in cls.plan_layouts(devices, layer_list=listed):
+            options = _agrees(name, layout, fixed)
+            if options is None or options.get("stages", 1) > layers:
+                continue
+            for accumulation, precision in itertools.product(accumulations, precisions):
+                spec = RunSpec(
+                    devices=devices,
+                    global_batch=global_batch,
+                    gradient_accumulation=accumulation,
+                    options=options,
+                )
+                try:
+                    cls.check_run(spec)
+                except ValueError:
+                    continue
+                out.append(Candidate(name, dict(options), accumulation, precision))
+    return out
+
+
+def evaluate(
+    found: list[Candidate],
+    measurements: ModelMeasurements,
+    machine: MachineCosts,
+    *,
+    devices: int,
+    global_batch: int,
+    budget: int | None,
+) -> None:
+    """Fill each candidate's prediction, or the reason it has none."""
+    for candidate in found:
+        run = Run(
+            devices=devices,
+            global_batch=global_batch,
+            gradient_accumulation=candidate.gradient_accumulation,
+            precision=candidate.precision,
+            budget=budget,
+        )
+        try:
+            candidate.prediction = strategy_class(candidate.strategy).predict(
+                lambda tensor, p=candidate.precision: measurements.costs(p, tensor),
+                machine,
+                run,
+                candidate.options,
+            )
+        except ValueError as error:
+            candidate.invalid = str(error)
+        if candidate.prediction is None and candidate.invalid is None:
+            candidate.invalid = "this strategy's memory and time are not modelled"
+
+
+def _as_tuple(value: Any, default: Iterable) -> tuple:
+    if value is None:
+        return tuple(default)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)
+
+
+def plan(
+    model: nn.Module,
+    *,
+    global_batch: int,
+    optimizer: Callable,
+    loss_fn: Callable,
+    sample: tuple[Any, Any],
+    devices: int | None = None,
+    memory_per_device: str | int | None = None,
+    precision: str | tuple[str, ...] = "fp32",
+    gradient_accumulation: int | tuple[int, ...] | None = None,
+    strategy: str | tuple[str, ...] | None = None,
+    tp_plan: dict[str, str] | None = None,
+    machine: MachineCosts | None = None,
+    **fixed: Any,
+) -> Plan:
+    """The fastest plan predicted to fit ``memory_per_device`` on ``devices`` workers.
+
+    ``sample`` is one batch of (inputs, targets): the global batch, or a smaller one whose
+    costs are scaled to each plan's micro-batch. Any option ``setup`` takes may be fixed
+    (``stages=4``, ``strategy="pipeline"``, ``precision=("fp32", "bf16")`` to allow
+    both); the rest is searched. Raises ``NoPlanFits`` (which names the smallest need)
+    where nothing fits.
+    """
+    devices = devices or default_device_count()
+    budget = parse_size(memory_per_device)
+    found = candidates(
+        model,
+        devices=devices,
+        global_batch=global_batch,
+        strategies=_as_tuple(strategy, strategy_names()),
+        accumulations=_as_tuple(gradient_accumulation, ACCUMULATIONS),
+        precisions=_as_tuple(precision, ("fp32",)),
+        fixed=fixed,
+    )
+    if not found:
+        raise ValueError(
+            f"no strategy can split this run ({devices} devices, global batch "
+            f"{global_batch}) with the options fixed ({fixed or 'none'}); relax them, or "
+            "choose a global batch that the devices divide."
+        )
+    measurements = ModelMeasurements(
+        model, sample, loss_fn=loss_fn, optimizer=optimizer, tp_plan=tp_plan
+    )
+    machine = machine or machine_costs(devices)
+    evaluate(
+        found, measurements, machine, devices=devices, global_batch=global_batch, budget=budget
+    )
+    chosen = rank(found, budget, devices)
+    return Plan.of(chosen, found, devices=devices, global_batch=global_batch, budget=budget)
+
+
+def predict(
+    model: nn.Module,
+    *,
+    strategy: str,
+    global_batch: int,
+    optimizer: Callable,
+    loss_fn: Callable,
+    sample: tuple[Any, Any],
+    devices: int | None = None,
+    memory_per_device: str | int | None = None,
+    precision: str = "fp32",
+    gradient_accumulation: int = 1,
+    tp_plan: dict[str, str] | None = None,
+    machine: MachineCosts | None = None,
+    **options: Any,
+) -> Plan:
+    """The prediction for one layout the caller fixes (a ``Plan`` with that one candidate;
+    its ``table()`` says whether it fits the budget)."""
+    devices = devices or default_device_count()
+    cls = strategy_class(strategy)
+    cls.check_run(
+        RunSpec(
+            devices=devices,
+            global_batch=global_batch,
+            gradient_accumulation=gradient_accumulation,
+            options=options,
+        )
+    )
+    candidate = Candidate(strategy, dict(options), gradient_accumulation, precision)
+    budget = parse_size(memory_per_device)
+    measurements = ModelMeasurements(
+        model, sample, loss_fn=loss_fn, optimizer=optimizer, tp_plan=tp_plan
+    )
+    evaluate(
+        [candidate],
+        measurements,
+        machine or machine_costs(devices),
+        devices=devices,
+        global_batch=global_batch,
+        budget=budget,
+    )
+    if candidate.prediction is None:
+        raise ValueError(f"cannot predict {strategy} for this model: {candidate.invalid}")
+    try:
+        rank([candidate], budget, devices)
+    except ValueError:
+        pass  # over budget: the verdict says by how much
+    return Plan.of(
+        candidate, [candidate], devices=devices, global_batch=global_batch, budget=budget
+    )
+
+
+def plan_in_job(model: nn.Module, **arguments: Any) -> Plan:
+    """``plan`` inside a job: every worker joins the collective measurements, rank 0
+    measures the model and chooses, and every worker gets its answer."""
+    devices = comm.world_size()
+    machine = machine_costs(devices)
+    chosen: list[Any] = [None]
+    if comm.rank() == 0:
+        chosen[0] = plan(model, devices=devices, machine=machine, **arguments)
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def sample_size(sample: tuple[Any, Any]) -> int:
+    return batch_size(sample[0])

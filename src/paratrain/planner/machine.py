@@ -1,0 +1,178 @@
+"""This machine's collectives, measured once and cached: what a message of n bytes costs.
+
+The planner's step times add communication to compute, so it needs the latency and the
+bandwidth of the backend the workers use (gloo over loopback on CPU, NCCL on GPUs), for
+each group size a plan forms. ``measure_collectives`` times all-reduces of a small and a
+large payload on groups of each size, and point-to-point messages between two workers,
+inside a job (every worker calls it); ``machine_costs`` starts the workers for that
+when it is called outside one, and keeps the result in a JSON file per machine, backend
+and worker count (``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves it), so later
+plans take no measurement at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain.parallel.cost_model import Line, MachineCosts, divisors
+from paratrain.runtime import comm
+from paratrain.runtime.devices import current_device
+
+SIZES = (4 * 1024, 4 * 1024 * 1024)
+"""Payload bytes timed: a latency-bound and a bandwidth-bound message."""
+REPEATS = 5
+FORMAT = 1
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _median_seconds(run, repeats: int = REPEATS) -> float:
+    run()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest worker's time: a collective ends when its last member is done."""
+    out = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out[0])
+
+
+def measure_collectives() -> MachineCosts:
+    """Every worker of the job calls it; every worker gets the same figures."""
+    world, rank = comm.world_size(), comm.rank()
+    device = current_device()
+    lines: dict[int, Line] = {}
+    for size in (g for g in divisors(world) if g >= 2):
+        group = None if size == world else dist.new_group(list(range(size)))
+        points = []
+        for nbytes in SIZES:
+            payload = torch.zeros(nbytes // 4, device=device)
+            seconds = 0.0
+            if rank < size:
+                seconds = _median_seconds(
+                    lambda payload=payload, group=group: dist.all_reduce(payload, group=group)
+                )
+            points.append((nbytes, _slowest(seconds)))
+        lines[size] = Line.through(points[0], points[1])
+    send_points = []
+    for nbytes in SIZES:
+        payload = torch.zeros(nbytes // 4, device=device)
+
+        def exchange(payload: torch.Tensor = payload) -> None:
+            if rank == 0:
+                dist.send(payload, dst=1)
+            elif rank == 1:
+                dist.recv(payload, src=0)
+
+        send_points.append((nbytes, _slowest(_median_seconds(exchange))))
+    dist.barrier()
+    return MachineCosts(
+        cores=cores(),
+        backend=dist.get_backend(),
+        all_reduce=lines,
+        send=Line.through(send_points[0], send_points[1]),
+    )
+
+
+def _measure_worker() -> dict:
+    return to_json(measure_collectives())
+
+
+def to_json(machine: MachineCosts) -> dict:
+    return {
+        "format": FORMAT,
+        "cores": machine.cores,
+        "backend": machine.backend,
+        "all_reduce": {str(k): [v.intercept, v.slope] for k, v in machine.all_reduce.items()},
+        "send": [machine.send.intercept, machine.send.slope],
+    }
+
+
+def from_json(data: dict) -> MachineCosts:
+    return MachineCosts(
+        cores=int(data["cores"]),
+        backend=str(data["backend"]),
+        all_reduce={int(k): Line(*map(float, v)) for k, v in data["all_reduce"].items()},
+        send=Line(*map(float, data["send"])),
+    )
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain"
+    return Path(root) / "machine"
+
+
+def cache_key(devices: int, backend: str) -> str:
+    name = f"{platform.node()}-{cores()}cores-{backend}-{devices}workers-torch{torch.__version__}"
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
+
+
+def single_machine() -> MachineCosts:
+    """One worker: nothing to send."""
+    return MachineCosts(cores=cores(), backend="none", all_reduce={}, send=Line.zero())
+
+
+def machine_costs(devices: int, *, refresh: bool = False) -> MachineCosts:
+    """This machine's collectives for ``devices`` workers: from the cache, else measured
+    (inside a job with its workers, outside one by starting ``devices`` local workers)."""
+    if devices < 2:
+        return single_machine()
+    backend = dist.get_backend() if comm.distributed() else _launch_backend()
+    path = cache_dir() / f"{cache_key(devices, backend)}.json"
+    cached = None if refresh else _read(path)
+    if comm.distributed():  # rank 0's cache decides, so that all measure or none does
+        shared = [cached if comm.rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        cached = shared[0]
+    if cached is not None:
+        return from_json(cached)
+    if comm.distributed():
+        data = to_json(measure_collectives())
+    else:
+        from paratrain.runtime.launch import launch
+
+        data = launch(_measure_worker, devices=devices)[0]
+    if not comm.distributed() or comm.rank() == 0:
+        _write(path, data)
+    return from_json(data)
+
+
+def _read(path: Path) -> dict | None:
+    """A cached measurement (JSON, never a pickle), or None where absent or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+        from_json(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return data if data.get("format") == FORMAT else None
+
+
+def _launch_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _write(path: Path, data: dict) -> None:
+    """Written whole or not at all (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)

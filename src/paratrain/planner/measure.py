@@ -1,0 +1,369 @@
+"""Measuring a model for the planner: per layer, what it holds, saves and takes, on one process.
+
+The sample runs through the model at two micro-batch sizes (the costs are lines in the
+size), forward and backward with the loss, under the run's precision, as an engine runs
+it; per layer of the layer list (the whole model where it is none) this records:
+
+- the bytes of its trainable and frozen parameters (``frozen``: buffers too);
+- the bytes autograd saves during its forward that no earlier layer saved (each storage
+  once, parameters left out: what the engines' ledgers book as activations), the loss's
+  saved tensors kept apart (``loss_saved``: the last stage books them, and a recomputed
+  model keeps them whole);
+- the bytes of saved storages an earlier layer made (a stage starting here receives its
+  own copy), of its input (what a recompute segment keeps), and of its output (what
+  crosses a stage boundary after it);
+- the seconds of its forward and of its forward and backward, each the median of a few
+  timed runs of that layer alone on its recorded input.
+
+The batch's own tensors are kept apart (``ModelCosts.inputs_saved``, ``targets_saved``):
+an engine hands a worker its share as a view of the global batch, so where the first
+layer saves its input (an embedding its token ids) or the loss its targets, the ledger
+books the whole batch's storage (on the CPU, where moving it to the device copies
+nothing), whatever the micro-batch.
+
+A tensor degree above 1 is measured on a copy of the model split as rank 0 of a tensor
+group would hold it (``tensor/mappings.LOCAL``: the operators count their messages and
+send nothing), so its slices' bytes, the activations it saves and its compute are the
+split worker's, and the messages per micro-batch are counted.
+
+Nothing of the model changes: gradients are taken with ``torch.autograd.grad``, buffers
+(BatchNorm statistics) are restored, and the random state is put back.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from paratrain.parallel.batching import batch_size, map_tensors
+from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
+from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layers import layer_list
+from paratrain.parallel.pipeline.split_points import is_layer_list
+from paratrain.parallel.precision import Precision
+from paratrain.parallel.strategy import optimizer_from_factory
+from paratrain.parallel.tensor import mappings
+from paratrain.parallel.tensor.apply import apply_plan
+from paratrain.parallel.tensor.plan import resolve_plan
+
+REPEATS = 3
+"""Timed runs per layer and size (their median is kept), after one untimed run."""
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    if hasattr(value, "to_tuple"):  # a Hugging Face ModelOutput
+        return _tensors(value.to_tuple())
+    return []
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _storage(tensor: Tensor) -> tuple[int, int]:
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def _first(value: Any, samples: int) -> Any:
+    """The first ``samples`` samples of a batch, each tensor a contiguous copy."""
+    if value is None:
+        return None
+    return map_tensors(value, lambda t: t.narrow(0, 0, samples).contiguous().clone())
+
+
+@contextmanager
+def _untouched(model: nn.Module):
+    """Buffers and the random state as they were, whatever the measurement did."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+class _Trace:
+    """One forward and backward of the whole model, attributing saved storages to layers."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
+        self.model, self.layers = model, layers
+        self.owned = {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
+        count = len(layers)
+        self.saved, self.input_saved = [0] * count, [0] * count
+        self.input_bytes, self.output_bytes = [0] * count, [0] * count
+        self.inputs: list[Any] = [None] * count
+        self.current = 0
+        self.first_layer: dict[int, int] = {}
+        self.batch: dict[int, str] = {}
+        self.batch_saved = {"inputs": 0, "targets": 0, "loss": 0}
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        address, nbytes = _storage(tensor)
+        if address in self.owned or not nbytes:
+            return tensor
+        kind = self.batch.get(address)
+        if kind is not None:
+            if (address, -1) not in self._counted:
+                self.batch_saved[kind] += nbytes
+                self._counted.add((address, -1))
+            return tensor
+        if self.current == len(self.layers):  # inside the loss
+            if address not in self.first_layer:
+                self.first_layer[address] = self.current
+                self.batch_saved["loss"] += nbytes
+            return tensor
+        first = self.first_layer.setdefault(address, self.current)
+        if first == self.current and (address, self.current) not in self._counted:
+            self.saved[self.current] += nbytes
+        elif first < self.current and (address, self.current) not in self._counted:
+            self.input_saved[self.current] += nbytes
+        self._counted.add((address, self.current))
+        return tensor
+
+    def run(self, inputs: Any, targets: Any, loss_fn, autocast) -> None:
+        self._counted: set[tuple[int, int]] = set()
+        for kind, value in (("inputs", inputs), ("targets", targets)):
+            for tensor in _tensors(value):
+                self.batch[_storage(tensor)[0]] = kind
+        handles = []
+        for index, layer in enumerate(self.layers):
+            handles.append(layer.register_forward_pre_hook(self._entering(index), with_kwargs=True))
+            handles.append(layer.register_forward_hook(self._leaving(index)))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                with autocast:
+                    outputs = call_model(self.model, inputs)
+                    self.current = len(self.layers)
+                    loss = loss_fn(outputs, targets)
+            if isinstance(loss, tuple):  # (sum, count): the engines divide by the count
+                loss = loss[0] / max(1.0, float(loss[1]))
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if params and loss.requires_grad:
+                torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _entering(self, index: int):
+        def hook(module, args, kwargs):
+            self.current = index
+            value = (args, kwargs) if kwargs else args
+            self.input_bytes[index] = _bytes(value)
+            self.inputs[index] = _detach(args, kwargs)
+
+        return hook
+
+    def _leaving(self, index: int):
+        def hook(module, args, output):
+            self.output_bytes[index] = _bytes(output)
+
+        return hook
+
+
+def _detach(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def one(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.detach()
+        if isinstance(value, dict):
+            return {key: one(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(one(item) for item in value)
+        return value
+
+    return one(args), one(kwargs)
+
+
+def _timed(run: Callable[[], Any], repeats: int) -> float:
+    run()  # warm-up: first calls pay one-off allocations
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, repeats: int):
+    """(forward seconds, forward and backward seconds) of ``layer`` on its recorded input."""
+    args, kwargs = recorded
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def prepared():
+        def grad_input(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.is_floating_point():
+                return value.detach().requires_grad_(True)
+            return value
+
+        return tuple(grad_input(a) for a in args), kwargs
+
+    def forward():
+        a, k = prepared()
+        with torch.no_grad(), autocast_of():
+            return layer(*a, **k)
+
+    def forward_backward():
+        a, k = prepared()
+        with torch.enable_grad(), autocast_of():
+            out = layer(*a, **k)
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        sources = params + [t for t in _tensors(a) if t.requires_grad]
+        if outs and sources:
+            torch.autograd.grad(
+                outs, sources, [torch.ones_like(t) for t in outs], allow_unused=True
+            )
+
+    return _timed(forward, repeats), _timed(forward_backward, repeats)
+
+
+def _split_copy(model: nn.Module, tensor: int, tp_plan: dict[str, str] | None) -> nn.Module:
+    """A copy of ``model`` holding what rank 0 of a tensor group of ``tensor`` holds."""
+    split = copy.deepcopy(model)
+    plan = resolve_plan(split, tensor, tp_plan)
+    apply_plan(split, plan, rank=0, tensor=tensor, group=mappings.LOCAL)
+    return split
+
+
+def measure_model(
+    model: nn.Module,
+    sample: tuple[Any, Any],
+    *,
+    loss_fn: Callable[[Any, Any], Any],
+    optimizer: OptimizerCost,
+    precision: str = "fp32",
+    tensor: int = 1,
+    tp_plan: dict[str, str] | None = None,
+    samples: int | None = None,
+    repeats: int = REPEATS,
+) -> ModelCosts:
+    """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
+    ``samples`` and half as many (``samples``: the sample's own size by default)."""
+    inputs, targets = sample
+    available = batch_size(inputs)
+    large = min(samples or available, available)
+    small = max(1, large // 2)
+    parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    subject = model if tensor == 1 else _split_copy(model, tensor, tp_plan)
+    listed = is_layer_list(subject)
+    layers = list(layer_list(subject)[0]) if listed else [subject]
+    autocast_of = Precision.of(precision).autocast
+    device = next((p.device for p in subject.parameters()), torch.device("cpu"))
+    points: dict[int, dict[str, Any]] = {}
+    with _untouched(subject):
+        for size in sorted({small, large}):
+            trace = _Trace(subject, layers)
+            calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
+            micro_in, micro_tgt = _first(inputs, size), _first(targets, size)
+            trace.run(micro_in, micro_tgt, loss_fn, autocast_of(device))
+            messages = sum(mappings.CALLS.values()) - calls_before
+            payload = sum(mappings.BYTES.values()) - bytes_before
+            times = [
+                _layer_times(layer, trace.inputs[i], lambda: autocast_of(device), repeats)
+                if trace.inputs[i] is not None
+                else (0.0, 0.0)
+                for i, layer in enumerate(layers)
+            ]
+            points[size] = {
+                "trace": trace,
+                "times": times,
+                "messages": messages,
+                "bytes": payload,
+            }
+    lo, hi = points[small], points[large]
+
+    def line(get: Callable[[dict], float]) -> Line:
+        return Line.through((small, get(lo)), (large, get(hi)))
+
+    costs = []
+
+    def batch_line(kind: str) -> Line:
+        return line(lambda p: p["trace"].batch_saved[kind])
+
+    for i, layer in enumerate(layers):
+        trainable = [p for p in layer.parameters() if p.requires_grad]
+        frozen = [p for p in layer.parameters() if not p.requires_grad]
+        costs.append(
+            LayerCost(
+                name=_layer_name(subject, layer, listed),
+                param_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                all_param_elements=sum(p.numel() for p in layer.parameters()),
+                param_elements=sum(p.numel() for p in trainable),
+                param_tensors=len(trainable),
+                frozen_bytes=sum(t.numel() * t.element_size() for t in [*frozen, *layer.buffers()]),
+                frozen_params=len(frozen),
+                saved=line(lambda p, i=i: p["trace"].saved[i]),
+                input_saved=line(lambda p, i=i: p["trace"].input_saved[i]),
+                input_bytes=line(lambda p, i=i: p["trace"].input_bytes[i]),
+                output_bytes=line(lambda p, i=i: p["trace"].output_bytes[i]),
+                time_s=line(lambda p, i=i: p["times"][i][1]),
+                forward_s=line(lambda p, i=i: p["times"][i][0]),
+            )
+        )
+    return ModelCosts(
+        layers=tuple(costs),
+        layer_list=listed,
+        tensor=tensor,
+        precision=precision,
+        parameters=parameters,
+        optimizer=optimizer,
+        tensor_messages=line(lambda p: p["messages"]),
+        tensor_bytes=line(lambda p: p["bytes"]),
+        inputs_saved=batch_line("inputs"),
+        targets_saved=batch_line("targets"),
+        loss_saved=batch_line("loss"),
+    )
+
+
+def _layer_name(model: nn.Module, layer: nn.Module, listed: bool) -> str:
+    if not listed:
+        return type(model).__name__
+    for name, module in model.named_modules():
+        if module is layer:
+            return name
+    return type(layer).__name__
+
+
+def measure_optimizer(factory: Callable, *, repeats: int = REPEATS) -> OptimizerCost:
+    """The state bytes per element and per tensor of the optimizer ``factory`` builds, and
+    its step's seconds per element, from two probe parameters of different sizes."""
+    big, small = nn.Parameter(torch.zeros(1 << 16)), nn.Parameter(torch.zeros(16))
+    named = [("probe.big", big), ("probe.small", small)]
+    optimizer = optimizer_from_factory(factory, named)
+    for param in (big, small):
+        param.grad = torch.full_like(param, 1e-3)
+
+    def step() -> None:
+        optimizer.step()
+
+    seconds = _timed(step, repeats)
+    per_param = []
+    for param in (big, small):
+        state = optimizer.state.get(param, {})
+        per_param.append(sum(_storage(v)[1] for v in state.values() if isinstance(v, Tensor)))
+    (large_bytes, small_bytes), (n_big, n_small) = per_param, (big.numel(), small.numel())
+    per_element = (large_bytes - small_bytes) / (n_big - n_small)
+    per_tensor = max(0.0, large_bytes - per_element * n_big)
+    return OptimizerCost(
+        bytes_per_element=per_element,
+        bytes_per_tensor=per_tensor,
+        step_s_per_element=seconds / (n_big + n_small),
+        name=type(optimizer).__name__,
+    )
