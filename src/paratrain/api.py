@@ -9,6 +9,10 @@ from torch import nn
 from paratrain.parallel import Engine, create_engine
 from paratrain.parallel.strategy import LossFn, OptimizerFactory
 
+AUTO = "auto"
+ENGINE_ONLY = ("max_grad_norm", "memory_per_device")
+"""Options every engine takes that the planner does not search: passed on as they are."""
+
 
 def setup(
     model: nn.Module,
@@ -25,7 +29,20 @@ def setup(
     the strategy decides which parameters each worker optimizes. Strategy-specific options
     (``bucket_mb=...``, ...) are keyword arguments; an option the strategy does not know is
     refused with the list of those it accepts.
+
+    ``strategy="auto"`` plans first (``paratrain.plan``, inside the job: every worker gets
+    the same answer) from ``global_batch=`` and ``sample=(inputs, targets)``, within
+    ``memory_per_device`` if given; any other option given is kept fixed. The engine's
+    ``plan`` attribute holds the choice and its prediction.
     """
+    if strategy == AUTO:
+        return _planned_engine(
+            model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            **options,
+        )
     return create_engine(
         strategy,
         model,
@@ -34,3 +51,57 @@ def setup(
         gradient_accumulation=gradient_accumulation,
         **options,
     )
+
+
+def _planned_engine(
+    model: nn.Module,
+    *,
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+    gradient_accumulation: int,
+    global_batch: int | None = None,
+    sample: Any = None,
+    precision: str = "fp32",
+    tp_plan: dict[str, str] | None = None,
+    **options: Any,
+) -> Engine:
+    """``setup(strategy="auto")``: plan in the job, then build the chosen engine."""
+    from paratrain.planner import plan_in_job
+
+    if global_batch is None or sample is None:
+        raise ValueError(
+            "strategy='auto' plans from the global batch and a sample of it: pass "
+            "global_batch=<samples per step> and sample=(inputs, targets)."
+        )
+    kept = {key: options.pop(key) for key in ENGINE_ONLY if key in options}
+    chosen = plan_in_job(
+        model,
+        global_batch=global_batch,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        sample=sample,
+        memory_per_device=kept.get("memory_per_device"),
+        precision=precision,
+        gradient_accumulation=gradient_accumulation,
+        tp_plan=tp_plan,
+        **options,
+    )
+    extra = {"tp_plan": tp_plan} if tp_plan is not None and "tp_plan" in _taken(chosen) else {}
+    engine = create_engine(
+        chosen.strategy,
+        model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        **chosen.options,
+        **kept,
+        **extra,
+    )
+    engine.plan = chosen
+    return engine
+
+
+def _taken(chosen: Any) -> set[str]:
+    from paratrain.parallel import strategy_class
+    from paratrain.parallel.strategy import engine_options
+
+    return set(engine_options(strategy_class(chosen.strategy)))

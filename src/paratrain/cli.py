@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a reference model on local workers")
     train.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
     _add_config_flags(train)
+    plan = commands.add_parser(
+        "plan",
+        help="predict how to split a run over the devices: the fastest layout predicted to fit "
+        "--memory-per-device, and every candidate with its memory, time and verdict",
+    )
+    plan.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
+    _add_config_flags(plan)
     report = commands.add_parser(
         "report",
         help="summarise a run and draw report.png (and its timeline where it recorded one); "
@@ -183,6 +190,11 @@ def format_summary(result) -> str:
     lines += _per_worker("activations peak", result.activation_peak_bytes)
     lines += _per_worker("comm buffers peak", [_peak(m, "communication") for m in result.memory])
     lines += _per_worker("ledger peak", [m.get("peak_total") for m in result.memory])
+    if result.plan is not None:
+        from paratrain.auto_plan import measured_lines
+
+        peaks = [m.get("peak_total") for m in result.memory]
+        lines += measured_lines(result.plan, peaks, result.samples_per_s)
     if result.memory and result.memory[0].get("budget") is not None:
         lines.append(f"  memory budget     {format_bytes(result.memory[0]['budget'])} per worker")
     lines += _strategy_lines(result)
@@ -283,6 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "plan":
+            from paratrain.plan_cli import plan_command
+
+            return plan_command(args)
         if args.command == "ckpt":
             from paratrain.checkpoint_cli import export_command, inspect_command
             from paratrain.checkpoint_import import import_command

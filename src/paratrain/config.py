@@ -43,6 +43,15 @@ class ConfigError(ValueError):
     """A configuration value or key that cannot be used; the message says what to change."""
 
 
+AUTO = "auto"
+"""``--strategy auto``: the planner chooses the strategy and its options (``auto_plan``)."""
+
+
+def declared_option_names() -> list[str]:
+    """Every strategy option's field name."""
+    return list(declared_options())
+
+
 @dataclass
 class RunSettings:
     """What every run has, whatever its strategy; each field is a ``--flag`` and a TOML key."""
@@ -65,7 +74,11 @@ class RunSettings:
     )
     strategy: str = field(
         default=default_strategy(),
-        metadata={"help": "how the workers share the model", "choices": tuple(strategy_names())},
+        metadata={
+            "help": "how the workers share the model; auto: the planner chooses the fastest "
+            "layout predicted to fit --memory-per-device (strategy options given are kept)",
+            "choices": (*strategy_names(), AUTO),
+        },
     )
     devices: int | None = field(
         default=None,
@@ -226,7 +239,7 @@ class RunSettings:
                 option.check(value)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
-            if value != option.default and self.strategy not in users:
+            if value != option.default and self.strategy not in (*users, AUTO):
                 flag = option.flag if value is not False else "--no-" + option.flag[2:]
                 owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
                 raise ConfigError(

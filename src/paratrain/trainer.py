@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import paratrain
 from paratrain.checkpoint import Checkpoint
-from paratrain.config import ConfigError, TrainConfig, as_dict
+from paratrain.config import AUTO, ConfigError, TrainConfig, as_dict
 from paratrain.data import (
     ChecksumError,
     DatasetBundle,
@@ -100,6 +100,8 @@ class RunResult:
     resumed: str | None = None
     """Where a resumed run came from (``resume_line``); None for a fresh run."""
     extra: dict[str, Any] = field(default_factory=dict)
+    plan: Any = None
+    """The planner's choice and prediction where the run asked for ``--strategy auto``."""
 
 
 def validate(config: TrainConfig, bundle: DatasetBundle | None = None) -> int:
@@ -254,8 +256,47 @@ def default_run_dir(config: TrainConfig) -> Path:
     return Path("runs") / f"{config.model}-{config.strategy}-{stamp}"
 
 
+def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any]:
+    """``--strategy auto`` and ``paratrain plan``: the planner's choice, made in this process
+    before any worker starts (``auto_plan``), and the config as if its flags had named it.
+    Raises ``NoPlanFits`` where nothing fits (a ``ValueError`` that names the smallest)."""
+    from paratrain.auto_plan import planned_config
+
+    if in_external_job():
+        raise ConfigError(
+            "--strategy auto plans before the workers start, which torchrun does not let it "
+            "do; run `paratrain plan` with the same flags and pass the strategy it prints."
+        )
+    if config.model not in MODEL_NAMES:
+        raise ConfigError(
+            f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
+        )
+    check_dataset(config)
+    check_data_dir(config)
+    devices = config.devices or default_device_count()
+    bundle = load_data(config)
+    check_pairing(config, bundle)
+    model = build_model(config.model, **model_options(config, bundle))
+    return planned_config(
+        config,
+        devices=devices,
+        model=model,
+        optimizer=make_optimizer(config),
+        loss_fn=loss_for(config.model),
+        sample=bundle.train[: config.global_batch],
+    )
+
+
 def fit(config: TrainConfig) -> RunResult:
     """Train as ``config`` says on local workers (or inside torchrun) and return the summary."""
+    chosen = None
+    if config.strategy == AUTO:
+        try:
+            config, chosen = plan_run(config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if is_main_process():
+            print(f"paratrain: {chosen.summary()}", file=sys.stderr)
     devices = validate(config)
     warning = time_sharing_warning(config, devices)
     if warning:
@@ -317,6 +358,7 @@ def fit(config: TrainConfig) -> RunResult:
         final_accuracy=lead["final_accuracy"],
         preempted_at=lead["preempted_at"],
         resumed=resumed,
+        plan=chosen,
     )
     if strategy_class(config.strategy).independent_workers:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)

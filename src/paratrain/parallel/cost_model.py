@@ -176,11 +176,16 @@ class ModelCosts:
         return total_bytes
 
     def recomputed_saved(
-        self, samples: float, layers: range | None = None, *, batch_samples: float | None = None
+        self,
+        samples: float,
+        layers: range | None = None,
+        *,
+        batch_samples: float | None = None,
+        one_segment: bool = False,
     ) -> float:
         """What a recomputed run keeps of one micro-batch in ``layers``: the input of each
-        segment (``recompute``: each layer with parameters starts one; a pipeline stage's
-        first layer starts one too), and the loss's saved tensors and targets."""
+        segment (``recompute``: each layer with parameters starts one; a pipeline stage is
+        ``one_segment``, its input alone), and the loss's saved tensors and targets."""
         picked = range(len(self.layers)) if layers is None else layers
         if not len(picked):
             return 0.0
@@ -188,7 +193,10 @@ class ModelCosts:
         kept = 0.0
         for i in picked:
             layer = self.layers[i]
-            if i == picked[0] or layer.param_bytes or layer.frozen_params:
+            starts = i == picked[0] or (
+                not one_segment and (layer.param_bytes or layer.frozen_params)
+            )
+            if starts:
                 kept += self.inputs_saved.at(batch) if i == 0 else layer.input_bytes.at(samples)
         if picked[-1] == len(self.layers) - 1:
             kept += self.targets_saved.at(batch) + self.loss_saved.at(samples)

@@ -6,7 +6,8 @@ peaks highest speaks for the plan. A stage holds its layers' parameters (its sli
 under ``tensor``), their gradients (kept between steps in the replicas' buckets, set to
 None at each step's start without replicas), their optimizer state, the activations of
 the micro-batches its schedule has in flight (1F1B: ``min(stages - stage, m)``, GPipe:
-all ``m``; under ``recompute`` only each one's stage input), and the point-to-point
+all ``m``; under ``recompute`` only each one's stage input: the stage is checkpointed
+as one segment), and the point-to-point
 buffers (``p2p``): the round's sends until the flush (activations and the header to the
 next stage, input gradients and the loss to the previous one), and the gradient receives
 posted for the micro-batches in flight.
@@ -75,7 +76,9 @@ def predict(
         layers = range(start, end)
         held = in_flight(schedule, stages, stage, micro)
         if recompute:
-            one = costs.recomputed_saved(samples, layers, batch_samples=run.global_batch)
+            one = costs.recomputed_saved(
+                samples, layers, batch_samples=run.global_batch, one_segment=True
+            )
         else:
             one = costs.saved(samples, layers, batch_samples=run.global_batch)
         first, last = stage == 0, stage == stages - 1

@@ -1,0 +1,92 @@
+"""Worker functions for tests/test_planner.py (spawned workers import them by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.parallel.cost_model import Line, MachineCosts
+
+STEPS = 3  # the ledger's steady peak is reached from the second step
+
+
+def machine() -> MachineCosts:
+    """Synthetic collectives, so that tests plan without measuring this machine."""
+    lines = {n: Line(1e-3, 1e-9) for n in (2, 4, 8)}
+    return MachineCosts(cores=8, backend="gloo", all_reduce=lines, send=Line(1e-3, 1e-9))
+
+
+def model(kind: str):
+    from paratrain.models import build_model
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return build_model("gpt", vocab_size=17, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    return build_model("mlp", in_features=32, hidden=64, depth=3, classes=10)
+
+
+def batch(kind: str, size: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "gpt":
+        shape = (size, 16)
+        return (
+            torch.randint(0, 17, shape, generator=generator),
+            torch.randint(0, 17, shape, generator=generator),
+        )
+    return torch.randn(size, 32, generator=generator), torch.randint(
+        0, 10, (size,), generator=generator
+    )
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def loss(kind: str):
+    from paratrain.models import loss_for
+
+    return loss_for("gpt" if kind == "gpt" else "mlp")
+
+
+def measured_peaks(layouts: list[tuple[str, str, dict]], global_batch: int) -> list[int]:
+    """Each (model, strategy, options) trained STEPS steps in turn in this job; every
+    worker's peak ledger total, for each layout (rank 0 gets the maxima)."""
+    import paratrain
+    from paratrain.runtime import comm
+
+    peaks = []
+    for kind, strategy, options in layouts:
+        engine = paratrain.setup(
+            model(kind), optimizer=adam, loss_fn=loss(kind), strategy=strategy, **options
+        )
+        for step in range(STEPS):
+            engine.train_step(*batch(kind, global_batch, seed=step))
+        peak = torch.tensor([float(engine.memory_report()["total"]["peak"])])
+        gathered = [torch.zeros(1) for _ in range(comm.world_size())]
+        torch.distributed.all_gather(gathered, peak)
+        peaks.append(int(max(float(t) for t in gathered)))
+    return peaks
+
+
+def auto_worker(budget: str | None, global_batch: int):
+    """setup(strategy="auto") in every worker: the choice, the prediction, the measured
+    peak after STEPS steps."""
+    import paratrain
+
+    engine = paratrain.setup(
+        model("gpt"),
+        optimizer=adam,
+        loss_fn=loss("gpt"),
+        strategy="auto",
+        global_batch=global_batch,
+        sample=batch("gpt", global_batch),
+        memory_per_device=budget,
+    )
+    for step in range(STEPS):
+        engine.train_step(*batch("gpt", global_batch, seed=step))
+    return {
+        "strategy": engine.plan.strategy,
+        "options": engine.plan.options,
+        "predicted": engine.plan.predicted_peak_bytes,
+        "measured": engine.memory_report()["total"]["peak"],
+        "engine": engine.name,
+    }
