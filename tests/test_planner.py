@@ -253,3 +253,49 @@ def test_measurement_leaves_the_model_as_it_was():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(generator_state, torch.get_rng_state())
+
+
+# ------------------------------------------------------------------ the command line
+
+PLAN_FLAGS = ["--model", "mlp", "--dataset", "synthetic", "--hidden", "32", "--depth", "2"]
+PLAN_FLAGS += ["--devices", "2", "--global-batch", "16"]
+
+
+@pytest.mark.slow
+def test_the_plan_command_prints_the_choice_every_candidate_and_the_train_flags(
+    tmp_path, monkeypatch, capsys
+):
+    from paratrain.cli import main
+
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))
+    assert main(["plan", *PLAN_FLAGS, "--memory-per-device", "2MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: strategy ")
+    assert "predicted: " in out and " peak per worker (" in out
+    assert "strategy  mesh" in out and "chosen" in out
+    flags = out.strip().splitlines()[-1]
+    assert flags.startswith("to train with it: paratrain train --model mlp --dataset synthetic")
+    assert main(["plan", *PLAN_FLAGS, "--memory-per-device", "1KiB"]) == 1
+    captured = capsys.readouterr()
+    assert "over budget" in captured.out
+    assert "paratrain: no plan fits 1 KiB per worker: the smallest, " in captured.err
+
+
+@pytest.mark.slow
+def test_train_strategy_auto_says_its_choice_and_the_measured_figures_beside_it(
+    tmp_path, monkeypatch, capsys
+):
+    from paratrain.cli import main
+
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "cache"))
+    args = ["train", "--no-progress", *PLAN_FLAGS, "--strategy", "auto", "--steps", "3"]
+    args += ["--run-dir", str(tmp_path / "run"), "--memory-per-device", "2MiB"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "paratrain: plan: strategy " in captured.err
+    chosen = captured.err.split("plan: strategy ")[1].split()[0]
+    assert f"strategy {chosen}, 2 worker(s)" in captured.out
+    assert "  planned           " in captured.out
+    line = next(x for x in captured.out.splitlines() if x.startswith("  planned memory    "))
+    off = float(line.split("(")[1].split("%")[0])
+    assert abs(off) <= 100 * ACCURACY, line

@@ -70,12 +70,13 @@ def measured_lines(chosen: Plan, peak_bytes: list[int | None], samples_per_s: fl
     lines = [f"  planned           {chosen.strategy} {_shown(chosen.options)}".rstrip()]
     error = f" ({measured / predicted - 1:+.1%} off)" if measured and predicted else ""
     lines.append(
-        f"  peak memory       predicted {format_bytes(predicted)} per worker, measured "
-        f"{format_bytes(measured) if measured else 'n/a'}{error}"
+        f"  planned memory    {format_bytes(predicted)} peak per worker predicted, "
+        f"{format_bytes(measured) if measured else 'n/a'} measured (ledger){error}"
     )
     predicted_rate = chosen.global_batch / chosen.predicted_step_s
     lines.append(
-        f"  samples/s         predicted {predicted_rate:,.1f}, measured {samples_per_s:,.1f}"
+        f"  planned speed     {predicted_rate:,.1f} samples/s predicted, "
+        f"{samples_per_s:,.1f} measured"
     )
     return lines
 

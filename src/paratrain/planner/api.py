@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -25,7 +26,7 @@ from paratrain.parallel.options import RunSpec
 from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.parallel.strategy import engine_options
 from paratrain.planner.choose import Candidate, Plan, rank
-from paratrain.planner.machine import machine_costs
+from paratrain.planner.machine import cores, machine_costs
 from paratrain.planner.measure import measure_model, measure_optimizer
 from paratrain.runtime import comm
 from paratrain.runtime.launch import default_device_count
@@ -46,8 +47,10 @@ class ModelMeasurements:
         loss_fn: Callable,
         optimizer: Callable,
         tp_plan: dict[str, str] | None = None,
+        worker_threads: int | None = None,
     ) -> None:
         self.model, self.sample, self.loss_fn, self.tp_plan = model, sample, loss_fn, tp_plan
+        self.worker_threads = worker_threads
         self.optimizer = measure_optimizer(optimizer)
         self._costs: dict[tuple[str, int], ModelCosts | ValueError] = {}
 
@@ -63,6 +66,7 @@ class ModelMeasurements:
                     precision=precision,
                     tensor=tensor,
                     tp_plan=self.tp_plan,
+                    worker_threads=self.worker_threads,
                 )
             except ValueError as error:  # a split the model cannot take
                 self._costs[key] = error
@@ -215,7 +219,12 @@ def plan(
             "choose a global batch that the devices divide."
         )
     measurements = ModelMeasurements(
-        model, sample, loss_fn=loss_fn, optimizer=optimizer, tp_plan=tp_plan
+        model,
+        sample,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        tp_plan=tp_plan,
+        worker_threads=worker_threads(devices),
     )
     machine = machine or machine_costs(devices)
     evaluate(
@@ -256,7 +265,12 @@ def predict(
     candidate = Candidate(strategy, dict(options), gradient_accumulation, precision)
     budget = parse_size(memory_per_device)
     measurements = ModelMeasurements(
-        model, sample, loss_fn=loss_fn, optimizer=optimizer, tp_plan=tp_plan
+        model,
+        sample,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        tp_plan=tp_plan,
+        worker_threads=worker_threads(devices),
     )
     evaluate(
         [candidate],
@@ -275,6 +289,14 @@ def predict(
     return Plan.of(
         candidate, [candidate], devices=devices, global_batch=global_batch, budget=budget
     )
+
+
+def worker_threads(devices: int) -> int:
+    """The intra-op threads the launcher gives each of ``devices`` local workers; inside a
+    job the worker's own."""
+    if comm.distributed():
+        return torch.get_num_threads()
+    return max(1, cores() // devices)
 
 
 def plan_in_job(model: nn.Module, **arguments: Any) -> Plan:

@@ -13,7 +13,12 @@ it; per layer of the layer list (the whole model where it is none) this records:
   own copy), of its input (what a recompute segment keeps), and of its output (what
   crosses a stage boundary after it);
 - the seconds of its forward and of its forward and backward, each the median of a few
-  timed runs of that layer alone on its recorded input.
+  timed runs of that layer alone on its recorded input, scaled so that the layers add up
+  to the measured forward and backward of the whole model with its loss (a layer timed
+  alone pays the call overheads that one backward through the whole graph shares).
+
+Times are taken with the intra-op threads a worker gets (``threads``; the launcher gives
+each of N workers ``cores // N``), so they are a worker's.
 
 The batch's own tensors are kept apart (``ModelCosts.inputs_saved``, ``targets_saved``):
 an engine hands a worker its share as a view of the global batch, so where the first
@@ -242,6 +247,20 @@ def _split_copy(model: nn.Module, tensor: int, tp_plan: dict[str, str] | None) -
     return split
 
 
+@contextmanager
+def threads(count: int | None):
+    """Intra-op threads for the block (None: as they are)."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, count))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure_model(
     model: nn.Module,
     sample: tuple[Any, Any],
@@ -253,6 +272,7 @@ def measure_model(
     tp_plan: dict[str, str] | None = None,
     samples: int | None = None,
     repeats: int = REPEATS,
+    worker_threads: int | None = None,
 ) -> ModelCosts:
     """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
     ``samples`` and half as many (``samples``: the sample's own size by default)."""
@@ -267,7 +287,7 @@ def measure_model(
     autocast_of = Precision.of(precision).autocast
     device = next((p.device for p in subject.parameters()), torch.device("cpu"))
     points: dict[int, dict[str, Any]] = {}
-    with _untouched(subject):
+    with _untouched(subject), threads(worker_threads):
         for size in sorted({small, large}):
             trace = _Trace(subject, layers)
             calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
@@ -281,6 +301,16 @@ def measure_model(
                 else (0.0, 0.0)
                 for i, layer in enumerate(layers)
             ]
+            whole = _timed(
+                lambda i=micro_in, t=micro_tgt: _Trace(subject, []).run(
+                    i, t, loss_fn, autocast_of(device)
+                ),
+                repeats,
+            )
+            alone = sum(t[1] for t in times)
+            if alone > 0:  # each layer's share of the whole model's forward and backward
+                scale = whole / alone
+                times = [(f * scale, fb * scale) for f, fb in times]
             points[size] = {
                 "trace": trace,
                 "times": times,
