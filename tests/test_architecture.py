@@ -130,7 +130,12 @@ def words_in_logic(path: Path) -> set[str]:
     return words
 
 
-@pytest.mark.parametrize("module", ["trainer.py", "config.py", "cli.py"])
+PLANNER = sorted(str(p.relative_to(SOURCE)) for p in (SOURCE / "planner").glob("*.py"))
+
+
+@pytest.mark.parametrize(
+    "module", ["trainer.py", "config.py", "cli.py", "auto_plan.py", "plan_cli.py", *PLANNER]
+)
 def test_no_strategy_is_named_outside_its_package(module):
     named = sorted(words_in_logic(SOURCE / module) & set(strategy_names()))
     assert named == [], f"{module} names strategies {named}; ask the registry instead"

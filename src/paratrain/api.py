@@ -62,7 +62,6 @@ def _planned_engine(
     global_batch: int | None = None,
     sample: Any = None,
     precision: str = "fp32",
-    tp_plan: dict[str, str] | None = None,
     **options: Any,
 ) -> Engine:
     """``setup(strategy="auto")``: plan in the job, then build the chosen engine."""
@@ -83,25 +82,11 @@ def _planned_engine(
         memory_per_device=kept.get("memory_per_device"),
         precision=precision,
         gradient_accumulation=gradient_accumulation,
-        tp_plan=tp_plan,
         **options,
     )
-    extra = {"tp_plan": tp_plan} if tp_plan is not None and "tp_plan" in _taken(chosen) else {}
+    # the plan's options include the fixed ones (a tp_plan among them) as setup takes them
     engine = create_engine(
-        chosen.strategy,
-        model,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        **chosen.options,
-        **kept,
-        **extra,
+        chosen.strategy, model, optimizer=optimizer, loss_fn=loss_fn, **chosen.options, **kept
     )
     engine.plan = chosen
     return engine
-
-
-def _taken(chosen: Any) -> set[str]:
-    from paratrain.parallel import strategy_class
-    from paratrain.parallel.strategy import engine_options
-
-    return set(engine_options(strategy_class(chosen.strategy)))

@@ -35,6 +35,15 @@ def layer_list(model: nn.Module) -> tuple[nn.Sequential, str]:
     )
 
 
+def is_layer_list(model: nn.Module) -> bool:
+    """Whether ``model`` can be seen as its layer list (``layer_list``)."""
+    try:
+        layer_list(model)
+    except LayerListError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class LayerSlice:
     """Layers ``[start, end)`` of a layer list whose keys carry ``prefix``."""

@@ -57,6 +57,10 @@ class SingleDeviceEngine(Engine):
         super().check_run(run)
 
     @classmethod
+    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
+        return 1, 1, 1
+
+    @classmethod
     def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
         return with_recompute([{}], layer_list) if devices == 1 else []
 

@@ -143,6 +143,11 @@ class Engine(ABC):
         return devices
 
     @classmethod
+    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
+        """(replicas, stages, tensor) of a run on ``devices`` workers: its mesh."""
+        return cls.replicas(devices, options), 1, 1
+
+    @classmethod
     def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
         """Micro-batches a replica splits its share into (beyond gradient accumulation)."""
         return 1

@@ -21,10 +21,11 @@ from torch import nn
 
 from paratrain.parallel.batching import batch_size
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Run
-from paratrain.parallel.layers import LayerListError, layer_list
+from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.parallel.strategy import engine_options
+from paratrain.parallel.tensor.options import PLAN_KEYWORD
 from paratrain.planner.choose import Candidate, Plan, rank
 from paratrain.planner.machine import cores, machine_costs
 from paratrain.planner.measure import measure_model, measure_optimizer
@@ -46,10 +47,11 @@ class ModelMeasurements:
         *,
         loss_fn: Callable,
         optimizer: Callable,
-        tp_plan: dict[str, str] | None = None,
+        split_plan: dict[str, str] | None = None,
         worker_threads: int | None = None,
     ) -> None:
-        self.model, self.sample, self.loss_fn, self.tp_plan = model, sample, loss_fn, tp_plan
+        self.model, self.sample, self.loss_fn = model, sample, loss_fn
+        self.split_plan = split_plan
         self.worker_threads = worker_threads
         self.optimizer = measure_optimizer(optimizer)
         self._costs: dict[tuple[str, int], ModelCosts | ValueError] = {}
@@ -65,7 +67,7 @@ class ModelMeasurements:
                     optimizer=self.optimizer,
                     precision=precision,
                     tensor=tensor,
-                    tp_plan=self.tp_plan,
+                    split_plan=self.split_plan,
                     worker_threads=self.worker_threads,
                 )
             except ValueError as error:  # a split the model cannot take
@@ -74,14 +76,6 @@ class ModelMeasurements:
         if isinstance(found, ValueError):
             raise found
         return found
-
-
-def _is_layer_list(model: nn.Module) -> bool:
-    try:
-        layer_list(model)
-    except LayerListError:
-        return False
-    return True
 
 
 ENUMERATED = ("stages", "micro_batches", "schedule", "tensor", "recompute")
@@ -114,7 +108,7 @@ def candidates(
 ) -> list[Candidate]:
     """Every valid (strategy, options, accumulation, precision) for this run; a layout whose
     mesh or batch split the strategy refuses is never proposed."""
-    listed = _is_layer_list(model)
+    listed = is_layer_list(model)
     layers = len(layer_list(model)[0]) if listed else 1
     out = []
     for name in strategies:
@@ -189,7 +183,6 @@ def plan(
     precision: str | tuple[str, ...] = "fp32",
     gradient_accumulation: int | tuple[int, ...] | None = None,
     strategy: str | tuple[str, ...] | None = None,
-    tp_plan: dict[str, str] | None = None,
     machine: MachineCosts | None = None,
     **fixed: Any,
 ) -> Plan:
@@ -198,8 +191,8 @@ def plan(
     ``sample`` is one batch of (inputs, targets): the global batch, or a smaller one whose
     costs are scaled to each plan's micro-batch. Any option ``setup`` takes may be fixed
     (``stages=4``, ``strategy="pipeline"``, ``precision=("fp32", "bf16")`` to allow
-    both); the rest is searched. Raises ``NoPlanFits`` (which names the smallest need)
-    where nothing fits.
+    both, the plan of split layers); the rest is searched. Raises ``NoPlanFits`` (which
+    names the smallest need) where nothing fits.
     """
     devices = devices or default_device_count()
     budget = parse_size(memory_per_device)
@@ -218,14 +211,7 @@ def plan(
             f"{global_batch}) with the options fixed ({fixed or 'none'}); relax them, or "
             "choose a global batch that the devices divide."
         )
-    measurements = ModelMeasurements(
-        model,
-        sample,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        tp_plan=tp_plan,
-        worker_threads=worker_threads(devices),
-    )
+    measurements = _measurements(model, sample, loss_fn, optimizer, fixed, devices)
     machine = machine or machine_costs(devices)
     evaluate(
         found, measurements, machine, devices=devices, global_batch=global_batch, budget=budget
@@ -246,7 +232,6 @@ def predict(
     memory_per_device: str | int | None = None,
     precision: str = "fp32",
     gradient_accumulation: int = 1,
-    tp_plan: dict[str, str] | None = None,
     machine: MachineCosts | None = None,
     **options: Any,
 ) -> Plan:
@@ -264,14 +249,7 @@ def predict(
     )
     candidate = Candidate(strategy, dict(options), gradient_accumulation, precision)
     budget = parse_size(memory_per_device)
-    measurements = ModelMeasurements(
-        model,
-        sample,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        tp_plan=tp_plan,
-        worker_threads=worker_threads(devices),
-    )
+    measurements = _measurements(model, sample, loss_fn, optimizer, options, devices)
     evaluate(
         [candidate],
         measurements,
@@ -288,6 +266,26 @@ def predict(
         pass  # over budget: the verdict says by how much
     return Plan.of(
         candidate, [candidate], devices=devices, global_batch=global_batch, budget=budget
+    )
+
+
+def _measurements(
+    model: nn.Module,
+    sample: tuple[Any, Any],
+    loss_fn: Callable,
+    optimizer: Callable,
+    options: dict[str, Any],
+    devices: int,
+) -> ModelMeasurements:
+    """The model's costs as a worker of ``devices`` would run it (its plan of split
+    layers, if the options give one)."""
+    return ModelMeasurements(
+        model,
+        sample,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        split_plan=options.get(PLAN_KEYWORD),
+        worker_threads=worker_threads(devices),
     )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paratrain.parallel.cost_model import CATEGORIES, Prediction
+from paratrain.parallel.registry import strategy_class
 from paratrain.runtime.units import format_bytes
 
 MARGIN = 0.10
@@ -56,12 +57,8 @@ class Candidate:
         return out
 
     def mesh(self, devices: int) -> str:
-        stages = self.options.get("stages", 1) if self.strategy == "pipeline" else 1
-        default_tensor = devices if self.strategy == "tp" else 1
-        tensor = self.options.get("tensor") or default_tensor
-        if self.strategy == "single":
-            return "1 device"
-        replicas = max(1, devices // (stages * tensor))
+        """replicas x stages x tensor, as the strategy lays out ``devices`` workers."""
+        replicas, stages, tensor = strategy_class(self.strategy).degrees(devices, self.options)
         return f"{replicas}x{stages}x{tensor}"
 
     def describe_options(self) -> str:

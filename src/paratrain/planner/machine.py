@@ -126,7 +126,7 @@ def cache_key(devices: int, backend: str) -> str:
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
 
 
-def single_machine() -> MachineCosts:
+def lone_worker_machine() -> MachineCosts:
     """One worker: nothing to send."""
     return MachineCosts(cores=cores(), backend="none", all_reduce={}, send=Line.zero())
 
@@ -135,7 +135,7 @@ def machine_costs(devices: int, *, refresh: bool = False) -> MachineCosts:
     """This machine's collectives for ``devices`` workers: from the cache, else measured
     (inside a job with its workers, outside one by starting ``devices`` local workers)."""
     if devices < 2:
-        return single_machine()
+        return lone_worker_machine()
     backend = dist.get_backend() if comm.distributed() else _launch_backend()
     path = cache_dir() / f"{cache_key(devices, backend)}.json"
     cached = None if refresh else _read(path)

@@ -50,8 +50,7 @@ from torch import Tensor, nn
 from paratrain.parallel.batching import batch_size, map_tensors
 from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.inputs import call_model
-from paratrain.parallel.layers import layer_list
-from paratrain.parallel.pipeline.split_points import is_layer_list
+from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.strategy import optimizer_from_factory
 from paratrain.parallel.tensor import mappings
@@ -239,10 +238,10 @@ def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, re
     return _timed(forward, repeats), _timed(forward_backward, repeats)
 
 
-def _split_copy(model: nn.Module, tensor: int, tp_plan: dict[str, str] | None) -> nn.Module:
+def _split_copy(model: nn.Module, tensor: int, split_plan: dict[str, str] | None) -> nn.Module:
     """A copy of ``model`` holding what rank 0 of a tensor group of ``tensor`` holds."""
     split = copy.deepcopy(model)
-    plan = resolve_plan(split, tensor, tp_plan)
+    plan = resolve_plan(split, tensor, split_plan)
     apply_plan(split, plan, rank=0, tensor=tensor, group=mappings.LOCAL)
     return split
 
@@ -269,19 +268,20 @@ def measure_model(
     optimizer: OptimizerCost,
     precision: str = "fp32",
     tensor: int = 1,
-    tp_plan: dict[str, str] | None = None,
+    split_plan: dict[str, str] | None = None,
     samples: int | None = None,
     repeats: int = REPEATS,
     worker_threads: int | None = None,
 ) -> ModelCosts:
     """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
-    ``samples`` and half as many (``samples``: the sample's own size by default)."""
+    ``samples`` and half as many (``samples``: the sample's own size by default);
+    ``split_plan`` is the ``setup`` keyword naming which layers split how."""
     inputs, targets = sample
     available = batch_size(inputs)
     large = min(samples or available, available)
     small = max(1, large // 2)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    subject = model if tensor == 1 else _split_copy(model, tensor, tp_plan)
+    subject = model if tensor == 1 else _split_copy(model, tensor, split_plan)
     listed = is_layer_list(subject)
     layers = list(layer_list(subject)[0]) if listed else [subject]
     autocast_of = Precision.of(precision).autocast

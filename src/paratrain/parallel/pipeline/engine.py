@@ -61,7 +61,7 @@ from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
-from paratrain.parallel.layers import LayerSlice, layer_list
+from paratrain.parallel.layers import LayerSlice, is_layer_list, layer_list
 from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.pipeline import cost as pipeline_cost
@@ -76,7 +76,6 @@ from paratrain.parallel.pipeline.partition import (
 )
 from paratrain.parallel.pipeline.schedules import get_schedule
 from paratrain.parallel.pipeline.split_points import (
-    is_layer_list,
     layer_list_balance,
     plan_stages,
     refuse_for_split_points,
@@ -165,6 +164,11 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     def replicas(cls, devices: int, options: dict[str, Any]) -> int:
         tensor = cls.tensor_degree(devices, options)
         return check_degrees(devices, stages=options.get("stages", 2), tensor=tensor)
+
+    @classmethod
+    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
+        stages, tensor = options.get("stages", 2), cls.tensor_degree(devices, options)
+        return devices // (stages * tensor), stages, tensor
 
     @classmethod
     def micro_batches_per_step(cls, options: dict[str, Any]) -> int:

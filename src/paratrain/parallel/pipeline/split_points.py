@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from paratrain.parallel.layer_profile import LayerProfile
-from paratrain.parallel.layers import LayerListError, layer_list
+from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.pipeline.partition import PartitionError, partition, stage_bounds
 
 
@@ -189,15 +189,6 @@ def plan_stages(model: nn.Module, stages: int, split_points: list[str] | None) -
         container, starts = _starts_from_names(model, list(split_points), stages)
     blocks = len(dict(model.named_modules())[container]) if container else 0
     return StagePlan(container, starts, blocks, _owners(model, container, starts))
-
-
-def is_layer_list(model: nn.Module) -> bool:
-    """Whether the pipeline cuts ``model`` as a layer list (``layers.layer_list``)."""
-    try:
-        layer_list(model)
-    except LayerListError:
-        return False
-    return True
 
 
 def refuse_for_split_points(*, balance: object, balance_by: str, recompute: bool) -> None:

@@ -43,6 +43,11 @@ class SplitsLayers:
         return tensor
 
     @classmethod
+    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
+        tensor = cls.tensor_degree(devices, options)
+        return devices // tensor, 1, tensor
+
+    @classmethod
     def check_tensor_plan(cls, run: RunSpec) -> None:
         """Refuse, before any worker starts, a model whose layers the plan cannot split."""
         tensor = cls.tensor_degree(run.devices, run.options)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from paratrain.parallel.options import StrategyOption
 
+PLAN_KEYWORD = "tp_plan"
+"""The ``setup`` keyword naming which layers split how (see ``plan``)."""
+
 TENSOR = StrategyOption(
     "tensor",
     int,
