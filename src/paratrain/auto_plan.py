@@ -71,7 +71,7 @@ def measured_lines(chosen: Plan, peak_bytes: list[int | None], samples_per_s: fl
     error = f" ({measured / predicted - 1:+.1%} off)" if measured and predicted else ""
     lines.append(
         f"  planned memory    {format_bytes(predicted)} peak per worker predicted, "
-        f"{format_bytes(measured) if measured else "n/a"} measured by the ledger{error}"
+        f"{format_bytes(measured) if measured else 'n/a'} measured by the ledger{error}"
     )
     predicted_rate = chosen.global_batch / chosen.predicted_step_s
     lines.append(
