@@ -260,6 +260,28 @@ class Prediction:
     def peak_bytes(self) -> int:
         return sum(self.memory.values())
 
+    @classmethod
+    def of(
+        cls,
+        memory: dict[str, int],
+        *,
+        compute_s: float,
+        communication_s: float,
+        workers: int,
+        machine: MachineCosts,
+        notes: tuple[str, ...] = (),
+    ) -> Prediction:
+        """A step of ``compute_s`` then ``communication_s`` seconds; the note that compute
+        is time-shared where ``workers`` outnumber the machine's cores comes first."""
+        shared = (f"{workers} workers share {machine.cores} cores",)
+        return cls(
+            memory=memory,
+            step_s=compute_s + communication_s,
+            notes=(shared if workers > machine.cores else ()) + notes,
+            compute_s=compute_s,
+            communication_s=communication_s,
+        )
+
 
 def divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]

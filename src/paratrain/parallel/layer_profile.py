@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LayerProfile", "param_profiles", "profile_layers"]
+__all__ = [
+    "LayerProfile",
+    "detached",
+    "param_profiles",
+    "profile_layers",
+    "storage_key",
+    "tensors_in",
+]
 
 
 @dataclass(frozen=True)
@@ -56,28 +63,31 @@ def param_profiles(layers: Sequence[nn.Module]) -> list[LayerProfile]:
     return [_param_profile(layer) for layer in layers]
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    """The tensors in a layer output (a tensor or a nested tuple/list/dict of them)."""
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in a layer output (a tensor or a nested tuple/list/dict of them, or a
+    Hugging Face ``ModelOutput``)."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
+        return [t for item in value for t in tensors_in(item)]
+    if hasattr(value, "to_tuple"):  # a ModelOutput
+        return tensors_in(value.to_tuple())
     return []
 
 
-def _detach(value: Any) -> Any:
+def detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach()
     if isinstance(value, dict):
-        return {key: _detach(item) for key, item in value.items()}
+        return {key: detached(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_detach(item) for item in value)
+        return type(value)(detached(item) for item in value)
     return value
 
 
-def _storage_key(tensor: Tensor) -> tuple[int, int]:
+def storage_key(tensor: Tensor) -> tuple[int, int]:
     """(address, bytes) of the storage a saved tensor keeps alive; views share one key."""
     try:
         storage = tensor.untyped_storage()
@@ -108,7 +118,7 @@ def _synchronize(device: torch.device) -> None:
 def _profile_one(layer: nn.Module, inputs: Tensor, repeats: int) -> tuple[LayerProfile, Any]:
     """Profile one layer on ``inputs``; return the profile and the layer's output."""
     params = [p for p in layer.parameters() if p.requires_grad]
-    owned = {_storage_key(t)[0] for t in [*layer.parameters(), *layer.buffers()]}
+    owned = {storage_key(t)[0] for t in [*layer.parameters(), *layer.buffers()]}
     # Token ids (integer inputs) get no gradient; float inputs do, as inside a pipeline.
     wants_grad = inputs.is_floating_point() or inputs.is_complex()
     x = inputs.detach().requires_grad_(wants_grad)
@@ -117,14 +127,14 @@ def _profile_one(layer: nn.Module, inputs: Tensor, repeats: int) -> tuple[LayerP
     saved: dict[int, int] = {}
 
     def pack(tensor: Tensor) -> Tensor:
-        address, nbytes = _storage_key(tensor)
+        address, nbytes = storage_key(tensor)
         if address not in owned:
             saved[address] = nbytes
         return tensor
 
     def run() -> Any:
         out = layer(x)
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        outs = [t for t in tensors_in(out) if t.requires_grad]
         if outs and sources:
             torch.autograd.grad(
                 outs,
@@ -151,7 +161,7 @@ def _profile_one(layer: nn.Module, inputs: Tensor, repeats: int) -> tuple[LayerP
         forward_backward_s=statistics.median(seconds),
         activation_bytes=sum(saved.values()),
     )
-    return profile, _detach(output)
+    return profile, detached(output)
 
 
 def profile_layers(

@@ -76,13 +76,6 @@ def predict(
     communication = machine.all_reduce_s(params, replicas) + tensor_seconds(
         costs, machine, samples, accumulation
     )
-    notes = []
-    if workers > machine.cores:
-        notes.append(f"{workers} workers share {machine.cores} cores")
-    return Prediction(
-        memory=memory,
-        step_s=compute + communication,
-        notes=tuple(notes),
-        compute_s=compute,
-        communication_s=communication,
+    return Prediction.of(
+        memory, compute_s=compute, communication_s=communication, workers=workers, machine=machine
     )

@@ -27,12 +27,13 @@ from paratrain.parallel.batching import batch_size, check_divisible, take_share,
 from paratrain.parallel.buffer_sync import BufferBroadcast, buffer_broadcast
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.options import RunSpec
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from paratrain.parallel.tensor.compose import SplitsLayers
 from paratrain.parallel.tensor.split import split_model
 from paratrain.runtime import comm
-from paratrain.runtime.mesh import build_mesh
+from paratrain.runtime.mesh import build_mesh, check_degrees
 
 
 class ReplicaShare(SplitsLayers):
@@ -49,6 +50,24 @@ class ReplicaShare(SplitsLayers):
     _replica_rank: int
     _device: torch.device
     buffer_sync: BufferBroadcast | None = None
+
+    @classmethod
+    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
+        return check_degrees(devices, tensor=cls.tensor_degree(devices, options))
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """The mesh and batch, then the tensor plan on a meta-device copy of the model."""
+        super().check_run(run)
+        cls.check_tensor_plan(run)
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        return cls.tensor_share(workers, options)
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        return cls.split_summary_lines(metrics)
 
     def _join_replicas(self, group: ProcessGroup | None, tensor: int | None) -> int:
         """Place this worker among the replicas (and its tensor group); returns the tensor
@@ -89,13 +108,7 @@ class ReplicaShare(SplitsLayers):
             # every tensor group cuts its slices from one model, rank 0's
             comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0)
             separate_streams()
-            self.tensor_split = split_model(
-                model,
-                tensor=self.mesh.tensor,
-                rank=self.mesh.tensor_rank,
-                group=self.mesh.tensor_group,
-                tp_plan=tp_plan,
-            )
+            self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan)
             self.tensor_split.share_stream(self._device)
         else:
             comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0, group=self.group)

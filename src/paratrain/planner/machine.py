@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from paratrain.parallel.cost_model import Line, MachineCosts, divisors
+from paratrain.planner.measure import median_seconds
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 
@@ -37,16 +36,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _median_seconds(run, repeats: int = REPEATS) -> float:
-    run()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def _slowest(seconds: float) -> float:
@@ -68,8 +57,9 @@ def measure_collectives() -> MachineCosts:
             payload = torch.zeros(nbytes // 4, device=device)
             seconds = 0.0
             if rank < size:
-                seconds = _median_seconds(
-                    lambda payload=payload, group=group: dist.all_reduce(payload, group=group)
+                seconds = median_seconds(
+                    lambda payload=payload, group=group: dist.all_reduce(payload, group=group),
+                    REPEATS,
                 )
             points.append((nbytes, _slowest(seconds)))
         lines[size] = Line.through(points[0], points[1])
@@ -83,7 +73,7 @@ def measure_collectives() -> MachineCosts:
             elif rank == 1:
                 dist.recv(payload, src=0)
 
-        send_points.append((nbytes, _slowest(_median_seconds(exchange))))
+        send_points.append((nbytes, _slowest(median_seconds(exchange, REPEATS))))
     dist.barrier()
     return MachineCosts(
         cores=cores(),

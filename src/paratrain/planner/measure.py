@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from paratrain.parallel.batching import batch_size, map_tensors
 from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layer_profile import detached, storage_key, tensors_in
 from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.strategy import optimizer_from_factory
@@ -61,28 +62,8 @@ REPEATS = 3
 """Timed runs per layer and size (their median is kept), after one untimed run."""
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if hasattr(value, "to_tuple"):  # a Hugging Face ModelOutput
-        return _tensors(value.to_tuple())
-    return []
-
-
 def _bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def _storage(tensor: Tensor) -> tuple[int, int]:
-    try:
-        storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):
-        return id(tensor), tensor.numel() * tensor.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
 def _first(value: Any, samples: int) -> Any:
@@ -110,7 +91,7 @@ class _Trace:
 
     def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
         self.model, self.layers = model, layers
-        self.owned = {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
+        self.owned = {storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
         count = len(layers)
         self.saved, self.input_saved = [0] * count, [0] * count
         self.input_bytes, self.output_bytes = [0] * count, [0] * count
@@ -121,7 +102,7 @@ class _Trace:
         self.batch_saved = {"inputs": 0, "targets": 0, "loss": 0}
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        address, nbytes = _storage(tensor)
+        address, nbytes = storage_key(tensor)
         if address in self.owned or not nbytes:
             return tensor
         kind = self.batch.get(address)
@@ -146,8 +127,8 @@ class _Trace:
     def run(self, inputs: Any, targets: Any, loss_fn, autocast) -> None:
         self._counted: set[tuple[int, int]] = set()
         for kind, value in (("inputs", inputs), ("targets", targets)):
-            for tensor in _tensors(value):
-                self.batch[_storage(tensor)[0]] = kind
+            for tensor in tensors_in(value):
+                self.batch[storage_key(tensor)[0]] = kind
         handles = []
         for index, layer in enumerate(self.layers):
             handles.append(layer.register_forward_pre_hook(self._entering(index), with_kwargs=True))
@@ -172,7 +153,7 @@ class _Trace:
             self.current = index
             value = (args, kwargs) if kwargs else args
             self.input_bytes[index] = _bytes(value)
-            self.inputs[index] = _detach(args, kwargs)
+            self.inputs[index] = (detached(args), detached(kwargs))
 
         return hook
 
@@ -183,20 +164,7 @@ class _Trace:
         return hook
 
 
-def _detach(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    def one(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return value.detach()
-        if isinstance(value, dict):
-            return {key: one(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(one(item) for item in value)
-        return value
-
-    return one(args), one(kwargs)
-
-
-def _timed(run: Callable[[], Any], repeats: int) -> float:
+def median_seconds(run: Callable[[], Any], repeats: int) -> float:
     run()  # warm-up: first calls pay one-off allocations
     seconds = []
     for _ in range(repeats):
@@ -228,14 +196,14 @@ def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, re
         a, k = prepared()
         with torch.enable_grad(), autocast_of():
             out = layer(*a, **k)
-        outs = [t for t in _tensors(out) if t.requires_grad]
-        sources = params + [t for t in _tensors(a) if t.requires_grad]
+        outs = [t for t in tensors_in(out) if t.requires_grad]
+        sources = params + [t for t in tensors_in(a) if t.requires_grad]
         if outs and sources:
             torch.autograd.grad(
                 outs, sources, [torch.ones_like(t) for t in outs], allow_unused=True
             )
 
-    return _timed(forward, repeats), _timed(forward_backward, repeats)
+    return median_seconds(forward, repeats), median_seconds(forward_backward, repeats)
 
 
 def _split_copy(model: nn.Module, tensor: int, split_plan: dict[str, str] | None) -> nn.Module:
@@ -301,7 +269,7 @@ def measure_model(
                 else (0.0, 0.0)
                 for i, layer in enumerate(layers)
             ]
-            whole = _timed(
+            whole = median_seconds(
                 lambda i=micro_in, t=micro_tgt: _Trace(subject, []).run(
                     i, t, loss_fn, autocast_of(device)
                 ),
@@ -383,11 +351,11 @@ def measure_optimizer(factory: Callable, *, repeats: int = REPEATS) -> Optimizer
     def step() -> None:
         optimizer.step()
 
-    seconds = _timed(step, repeats)
+    seconds = median_seconds(step, repeats)
     per_param = []
     for param in (big, small):
         state = optimizer.state.get(param, {})
-        per_param.append(sum(_storage(v)[1] for v in state.values() if isinstance(v, Tensor)))
+        per_param.append(sum(storage_key(v)[1] for v in state.values() if isinstance(v, Tensor)))
     (large_bytes, small_bytes), (n_big, n_small) = per_param, (big.numel(), small.numel())
     per_element = (large_bytes - small_bytes) / (n_big - n_small)
     per_tensor = max(0.0, large_bytes - per_element * n_big)

@@ -53,7 +53,6 @@ from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
 from paratrain.parallel.registry import register
@@ -70,7 +69,6 @@ from paratrain.parallel.strategy import (
 from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.tensor.options import TENSOR
 from paratrain.runtime import comm
-from paratrain.runtime.mesh import check_degrees
 
 
 @register("dp")
@@ -98,29 +96,11 @@ class DataParallelEngine(ReplicaShare, Engine):
     advice_rank = 0
 
     @classmethod
-    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
-        return check_degrees(devices, tensor=cls.tensor_degree(devices, options))
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """The mesh and batch, then the tensor plan on a meta-device copy of the model."""
-        super().check_run(run)
-        cls.check_tensor_plan(run)
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        return cls.tensor_share(workers, options)
-
-    @classmethod
     def model_state_per_worker(
         cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
     ) -> float:
         """Everything per parameter, at the share of a worker (split layers 1/tensor)."""
         return (weight + gradient + optimizer) * cls.parameter_share(workers, options) * parameters
-
-    @classmethod
-    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
-        return cls.split_summary_lines(metrics)
 
     @classmethod
     def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:

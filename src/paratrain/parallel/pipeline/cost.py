@@ -116,12 +116,11 @@ def predict(
         costs.tensor,
         messages=rounds * micro * costs.tensor_messages.at(samples) / stages,
     )
-    notes = [f"{workers} workers share {machine.cores} cores"] if workers > machine.cores else []
-    notes.append(f"bubble {(stages - 1) / (micro + stages - 1):.0%}")
-    return Prediction(
-        memory=worst or {},
-        step_s=compute + communication,
-        notes=tuple(notes),
+    return Prediction.of(
+        worst or {},
         compute_s=compute,
         communication_s=communication,
+        workers=workers,
+        machine=machine,
+        notes=(f"bubble {(stages - 1) / (micro + stages - 1):.0%}",),
     )

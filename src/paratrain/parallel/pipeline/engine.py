@@ -399,14 +399,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             # the members cut their slices from one stage, their first member's
             state = [t for layer in mine for t in (*layer.parameters(), *layer.buffers())]
             comm.broadcast_tensors(state, src=0, group=self.mesh.tensor_group)
-            self.tensor_split = split_model(
-                model,
-                tensor=self.mesh.tensor,
-                rank=self.mesh.tensor_rank,
-                group=self.mesh.tensor_group,
-                tp_plan=tp_plan,
-                only={f"{prefix}{i}" for i in range(start, end)},
-            )
+            only = {f"{prefix}{i}" for i in range(start, end)}
+            self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan, only=only)
             layers, prefix = layer_list(model)  # a split layer of the list is a new module
         self.slice = LayerSlice(start, end, prefix)
         self.ties = CrossStageTies(layer_list_stages(layers, bounds, prefix), self.mesh)

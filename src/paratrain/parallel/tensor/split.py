@@ -32,6 +32,7 @@ from paratrain.parallel.tensor.plan import TensorPlan, resolve_plan
 from paratrain.parallel.tensor.rng import share_stream
 from paratrain.parallel.tensor.shards import ShardSpec
 from paratrain.runtime import comm
+from paratrain.runtime.mesh import Mesh
 
 
 @dataclass
@@ -159,10 +160,8 @@ class SlicedCheckpoint:
 
 def split_model(
     model: nn.Module,
+    mesh: Mesh,
     *,
-    tensor: int,
-    rank: int,
-    group: ProcessGroup | None,
     tp_plan: dict[str, str] | None,
     only: set[str] | None = None,
 ) -> TensorSplit:
@@ -172,8 +171,10 @@ def split_model(
     The engine then gives the members one random stream (``TensorSplit.share_stream``), so
     that replicated activations, dropout included, are computed alike on each. ``only``
     (module names) limits the split to the modules this worker keeps, a pipeline stage's;
-    the plan is still checked on the whole model, so every stage agrees on it.
+    the plan is still checked on the whole model, so every stage agrees on it. The
+    degree, this worker's rank and its group are ``mesh``'s tensor dimension.
     """
+    tensor, rank, group = mesh.tensor, mesh.tensor_rank, mesh.tensor_group
     whole_plan = resolve_plan(model, tensor, tp_plan)
     plan = whole_plan if only is None else whole_plan.restricted_to(only)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)

@@ -66,11 +66,6 @@ def predict(
     if stage == 3:
         gathers = 2 * accumulation * units(costs, stage, 0)
         communication += machine.all_reduce_s(accumulation * params, replicas, messages=gathers)
-    notes = [f"{workers} workers share {machine.cores} cores"] if workers > machine.cores else []
-    return Prediction(
-        memory=memory,
-        step_s=compute + communication,
-        notes=tuple(notes),
-        compute_s=compute,
-        communication_s=communication,
+    return Prediction.of(
+        memory, compute_s=compute, communication_s=communication, workers=workers, machine=machine
     )

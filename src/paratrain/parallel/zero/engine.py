@@ -118,7 +118,6 @@ from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
 from paratrain.parallel.zero.unused import ShardPieces, make_pieces
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
-from paratrain.runtime.mesh import check_degrees
 
 
 class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
@@ -394,24 +393,6 @@ class _ReplicatedParameters(ZeroEngine):
     With ``tensor``, the full parameters of this worker's slices."""
 
     options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, TENSOR)
-
-    @classmethod
-    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
-        return check_degrees(devices, tensor=cls.tensor_degree(devices, options))
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """The mesh and batch, then the tensor plan on a meta-device copy of the model."""
-        super().check_run(run)
-        cls.check_tensor_plan(run)
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        return cls.tensor_share(workers, options)
-
-    @classmethod
-    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
-        return cls.split_summary_lines(metrics)
 
     def run_metrics(self) -> dict[str, Any] | None:
         return self.split_metrics(list(self.model.parameters()), self._parameters) or None
