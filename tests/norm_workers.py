@@ -263,3 +263,16 @@ def pipeline_bn_run(optimizer: str) -> dict[str, Any]:
     eval_loss = engine.eval_step(*bn_eval_batch())
     buffers = {name: b.clone() for name, b in engine.model.named_buffers()}
     return {"buffers": buffers, "eval": eval_loss, "state": engine.state_dict()}
+
+
+def ps_setup() -> None:
+    """``setup`` of the BatchNorm model under synchronous ps (it must refuse)."""
+    import paratrain
+
+    paratrain.setup(
+        bn_model(),
+        optimizer=parity_optimizer("sgd"),
+        loss_fn=nn.functional.cross_entropy,
+        strategy="ps",
+        staleness=0,
+    )

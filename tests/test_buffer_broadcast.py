@@ -17,11 +17,15 @@ evaluation loss, two to four orders of magnitude above the bar.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import paratrain
 from paratrain.config import ConfigError, TrainConfig
+from paratrain.parallel import RunSpec, strategy_class
+from paratrain.runtime.launch import WorkerError
 from tests import norm_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
@@ -98,3 +102,24 @@ def test_pipeline_replicas_evaluate_and_save_the_first_replica_s_statistics(opti
         assert result["buffers"].keys() == first.keys() and first, rank
         for name, buffer in result["buffers"].items():
             assert torch.equal(buffer, first[name]), (rank, name)
+
+
+PS_REFUSAL = r"strategy 'ps' would keep the running statistics of BatchNorm layer '1' apart"
+
+
+def test_ps_refuses_batchnorm_statistics_before_any_worker_starts():
+    """ps servers hold parameters only: each worker's running statistics would drift
+    apart (synchronous ps, 2 workers, 10 steps: eval_step 1.7437 on one worker, 1.7406 on
+    the other), so the run is refused with the strategies that keep them equal."""
+    run = RunSpec(devices=2, global_batch=16, options={"staleness": 0})
+    with pytest.raises(ValueError, match=PS_REFUSAL + r".*use strategy 'dp' or 'zero1'"):
+        strategy_class("ps").check_run(replace(run, build_model=norm_workers.bn_model))
+    ps = strategy_class("ps")
+    ps.check_run(replace(run, devices=1, build_model=norm_workers.bn_model))  # one worker
+    ps.check_run(replace(run, build_model=lambda: torch.nn.Sequential(torch.nn.LayerNorm(4))))
+
+
+@pytest.mark.slow
+def test_ps_setup_refuses_batchnorm_statistics():
+    with pytest.raises(WorkerError, match=PS_REFUSAL):
+        paratrain.launch(norm_workers.ps_setup, devices=2)
