@@ -114,9 +114,11 @@ def test_gradient_checkpointing_enable_trains_as_the_plain_loop_under_every_engi
         (strategy, kind, options)
         for strategy, options in (
             ("dp", {}),
+            ("zero1", {}),
             ("zero2", {}),
             ("zero3", {}),
             ("pipeline", {"stages": 2, "micro_batches": 2}),
+            ("ps", {"staleness": 0}),
         )
         for kind in ("gpt2", "llama")
     ]
