@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests import workers
+from tests import tie_workers, workers
 
 MAX_NORM = 0.2  # below every step's gradient norm on the parity models (0.27 to 3), so it clips
 
@@ -13,5 +13,19 @@ def train(strategy: str, kind: str, optimizer: str, **options) -> tuple[dict, li
     return engine.state_dict(), norms
 
 
+def train_tied(strategy: str, kind: str, optimizer: str, **options) -> tuple[dict, list[float]]:
+    """A model of ``tests/tie_workers.py`` (the head shares the embedding's Parameter),
+    clipped: under the pipeline the two copies sit on different stages."""
+    engine = tie_workers.tied_engine(strategy, kind, optimizer, max_grad_norm=MAX_NORM, **options)
+    norms = [engine.train_step(x, y).grad_norm for x, y in workers.parity_batches("gpt")]
+    return engine.state_dict(), norms
+
+
 def train_all(runs: list[tuple]) -> list[tuple]:
-    return [train(strategy, kind, opt, **options) for strategy, kind, opt, options in runs]
+    """Each (strategy, kind, optimizer, options); a kind ``tied-...`` names a tied model."""
+    return [
+        train_tied(strategy, kind.removeprefix("tied-"), opt, **options)
+        if kind.startswith("tied-")
+        else train(strategy, kind, opt, **options)
+        for strategy, kind, opt, options in runs
+    ]

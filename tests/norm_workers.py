@@ -243,3 +243,36 @@ def pipeline_recompute_setup() -> None:
         stages=2,
         recompute=True,
     )
+
+
+def pipeline_bn_run(optimizer: str) -> dict[str, Any]:
+    """The BatchNorm model under a pipeline of 2 stages x 2 replicas: this rank's local
+    buffers after training and an evaluation, the evaluation loss and the state."""
+    import paratrain
+
+    engine = paratrain.setup(
+        bn_model(),
+        optimizer=parity_optimizer(optimizer),
+        loss_fn=nn.functional.cross_entropy,
+        strategy="pipeline",
+        stages=2,
+        micro_batches=2,
+    )
+    for x, y in bn_batches():
+        engine.train_step(x, y)
+    eval_loss = engine.eval_step(*bn_eval_batch())
+    buffers = {name: b.clone() for name, b in engine.model.named_buffers()}
+    return {"buffers": buffers, "eval": eval_loss, "state": engine.state_dict()}
+
+
+def ps_setup() -> None:
+    """``setup`` of the BatchNorm model under synchronous ps (it must refuse)."""
+    import paratrain
+
+    paratrain.setup(
+        bn_model(),
+        optimizer=parity_optimizer("sgd"),
+        loss_fn=nn.functional.cross_entropy,
+        strategy="ps",
+        staleness=0,
+    )

@@ -17,11 +17,15 @@ evaluation loss, two to four orders of magnitude above the bar.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import paratrain
 from paratrain.config import ConfigError, TrainConfig
+from paratrain.parallel import RunSpec, strategy_class
+from paratrain.runtime.launch import WorkerError
 from tests import norm_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
@@ -66,3 +70,56 @@ def test_broadcast_buffers_is_an_option_of_the_replica_engines():
     }
     with pytest.raises(ConfigError, match="--no-broadcast-buffers is a dp, zero1, zero2, zero3"):
         TrainConfig(strategy="pipeline", broadcast_buffers=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_pipeline_replicas_evaluate_and_save_the_first_replica_s_statistics(optimizer):
+    """2 stages x 2 replicas: each replica of a stage updates its running statistics from
+    its own micro-batches, so, as under DDP's default, the first replica's reach the
+    others before each step and evaluation. Then ``eval_step`` is the loss of the model
+    the state describes: evaluated in one process from rank 0's ``state_dict()``.
+
+    Tolerance: ``TOLERANCE`` (1e-5). In eval mode BatchNorm uses the same running
+    statistics on every replica and every sample's output is the same fp32 function of
+    the same values; what differs is the batch the matrix kernels see (a micro-batch of 4
+    against 16) and the order the 16 per-sample losses are summed in (micro-batches, then
+    replicas): a few units of 2^-24 each, about 16 u = 1e-6 of the loss. Each replica
+    keeping its own statistics (the pipeline did) moves the second replica's running
+    statistics by 5-11 % and the evaluation loss by 3e-3 (SGD) and 6e-3 (Adam), hundreds
+    of times the bar."""
+    ranks = paratrain.launch(norm_workers.pipeline_bn_run, devices=4, args=(optimizer,))
+    model = norm_workers.bn_model()
+    model.load_state_dict(ranks[0]["state"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        x, y = norm_workers.bn_eval_batch()
+        expected = float(torch.nn.functional.cross_entropy(model(x), y))
+    stages = 2  # rank = replica * stages + stage
+    for rank, result in enumerate(ranks):
+        assert result["eval"] == pytest.approx(expected, rel=TOLERANCE), rank
+        first = ranks[rank % stages]["buffers"]  # the first replica of this rank's stage
+        assert result["buffers"].keys() == first.keys() and first, rank
+        for name, buffer in result["buffers"].items():
+            assert torch.equal(buffer, first[name]), (rank, name)
+
+
+PS_REFUSAL = r"strategy 'ps' would keep the running statistics of BatchNorm layer '1' apart"
+
+
+def test_ps_refuses_batchnorm_statistics_before_any_worker_starts():
+    """ps servers hold parameters only: each worker's running statistics would drift
+    apart (synchronous ps, 2 workers, 10 steps: eval_step 1.7437 on one worker, 1.7406 on
+    the other), so the run is refused with the strategies that keep them equal."""
+    run = RunSpec(devices=2, global_batch=16, options={"staleness": 0})
+    with pytest.raises(ValueError, match=PS_REFUSAL + r".*use strategy 'dp' or 'zero1'"):
+        strategy_class("ps").check_run(replace(run, build_model=norm_workers.bn_model))
+    ps = strategy_class("ps")
+    ps.check_run(replace(run, devices=1, build_model=norm_workers.bn_model))  # one worker
+    ps.check_run(replace(run, build_model=lambda: torch.nn.Sequential(torch.nn.LayerNorm(4))))
+
+
+@pytest.mark.slow
+def test_ps_setup_refuses_batchnorm_statistics():
+    with pytest.raises(WorkerError, match=PS_REFUSAL):
+        paratrain.launch(norm_workers.ps_setup, devices=2)

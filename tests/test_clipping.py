@@ -11,7 +11,7 @@ import paratrain
 from paratrain.config import TrainConfig
 from paratrain.models import loss_for
 from paratrain.trainer import ConfigError
-from tests import clip_workers, workers
+from tests import clip_workers, tie_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 
@@ -22,6 +22,22 @@ def plain_loop(kind: str, optimizer: str, tie: bool = False) -> tuple[dict, list
     for x, y in workers.parity_batches(kind):
         opt.zero_grad()
         loss_for("gpt" if kind == "gpt" else "mlp")(model(x), y).backward()
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_workers.MAX_NORM))
+        )
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def plain_loop_tied(kind: str, optimizer: str) -> tuple[dict, list[float]]:
+    """The plain loop on a model of ``tests/tie_workers.py``: ``model.parameters()`` yields
+    the tied Parameter once, so ``clip_grad_norm_`` counts it once."""
+    model = tie_workers.tied_model(kind)
+    opt = workers.parity_optimizer(optimizer)(model.parameters())
+    norms = []
+    for x, y in workers.parity_batches("gpt"):
+        opt.zero_grad()
+        loss_for("gpt")(model(x), y).backward()
         norms.append(
             float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_workers.MAX_NORM))
         )
@@ -51,6 +67,11 @@ def test_single_clips_as_the_plain_loop(kind):
 
 @pytest.mark.slow
 def test_every_engine_clips_by_the_global_norm():
+    """Also a head tied to the embedding (``tied-`` kinds): the pipeline holds a copy of the
+    weight on each of its two stages (and on each replica at 4 workers), and must count it
+    once in the norm and clip both copies alike, as ``clip_grad_norm_`` over
+    ``model.parameters()`` does on one device (counting it twice moves the norm by a few
+    percent, and so every clipped step)."""
     runs = [
         (strategy, kind, optimizer, options)
         for kind in ("mlp", "gpt")
@@ -63,13 +84,28 @@ def test_every_engine_clips_by_the_global_norm():
             ("pipeline", {"stages": 2, "micro_batches": 2}),
         )
     ]
+    runs += [
+        ("pipeline", "tied-gpt", "sgd", {"stages": 2, "micro_batches": 2}),
+        ("pipeline", "tied-plain", "adam", {"stages": 2, "micro_batches": 4}),
+        ("zero3", "tied-gpt", "adam", {}),
+    ]
     references = {(k, o): plain_loop(k, o) for k in ("mlp", "gpt") for o in ("sgd", "adam")}
+    references |= {
+        (f"tied-{k}", o): plain_loop_tied(k, o) for k in ("gpt", "plain") for o in ("sgd", "adam")
+    }
     results = paratrain.launch(clip_workers.train_all, devices=2, args=(runs,))
     for run, result in zip(runs, results[0], strict=True):
         check(result, references[(run[1], run[2])], run)
-    hybrid = [("pipeline", "gpt", "sgd", {"stages": 2, "micro_batches": 2})]
+        if run[1].startswith("tied-"):
+            canonical, alias = tie_workers.TIES[run[1].removeprefix("tied-")]
+            assert torch.equal(result[0][canonical], result[0][alias]), run
+    hybrid = [
+        ("pipeline", "gpt", "sgd", {"stages": 2, "micro_batches": 2}),
+        ("pipeline", "tied-gpt", "adam", {"stages": 2, "micro_batches": 2}),
+    ]
     results = paratrain.launch(clip_workers.train_all, devices=4, args=(hybrid,))
-    check(results[0][0], references[("gpt", "sgd")], "2 x 2 pipeline")
+    for run, result in zip(hybrid, results[0], strict=True):
+        check(result, references[(run[1], run[2])], ("2 x 2", run))
 
 
 def test_the_command_line_passes_the_bound_to_the_engine():

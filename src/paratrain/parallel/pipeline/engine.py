@@ -27,6 +27,9 @@ the point-to-point buffers posted and not yet flushed.
 Every worker draws from a random stream of its own (``replica_rng``); a stage draws its
 micro-batches' dropout masks in micro-batch order whatever the schedule. ``recompute``
 refuses models with BatchNorm, whose running statistics the recompute would update twice.
+Replicas of a stage update their running statistics from their own micro-batches; the
+first replica's reach the others before each step and evaluation (``buffer_sync``), as
+DDP's default does, so evaluation and the saved state agree.
 
 Split layers (``tensor``, ``tp_plan``): the workers form ``replicas x stages x tensor``
 (``runtime/mesh``, tensor innermost); a stage's tensor group splits the planned layers of
@@ -55,6 +58,7 @@ from paratrain.parallel.batching import (
     take_share,
     to_device,
 )
+from paratrain.parallel.buffer_sync import BufferBroadcast
 from paratrain.parallel.clipping import clip_distributed
 from paratrain.parallel.cost_model import divisors
 from paratrain.parallel.fused_optim import with_fused_kernel
@@ -345,10 +349,15 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.ties.attach(dict(self._full_named_parameters()))
         self.recompute = recompute
         self.reducer: BucketedGradientReducer | None = None
+        self.buffer_sync: BufferBroadcast | None = None
         if self.mesh.replicas > 1:
             comm.broadcast_tensors(
                 [*self._params, *self._local_buffers()], src=0, group=self.mesh.dp_group
             )
+            # the first replica's running statistics before each step and evaluation, as
+            # DDP's default (see buffer_sync)
+            if self._local_buffers():
+                self.buffer_sync = BufferBroadcast(self._local_buffers(), group=self.mesh.dp_group)
             self.reducer = BucketedGradientReducer(
                 list(self._params),
                 group=self.mesh.dp_group,
@@ -478,6 +487,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         check_divisible(samples, replicas=replicas, micro_batches=rounds * micro)
         bytes_before = comm.bytes_sent()
         self.module.train()
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_forward(training=True)
         if self.reducer is not None:
             self.reducer.zero_grad()
         elif self.optimizer is not None:
@@ -517,6 +528,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         check_divisible(batch_size(inputs), replicas=replicas, micro_batches=micro)
         was_training = self.module.training
         self.module.eval()
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_forward(training=False)
         share_in = split_micro(take_share(inputs, self.mesh.replica, replicas), micro)
         share_tgt = split_micro(take_share(targets, self.mesh.replica, replicas), micro)
         self.link.begin_round(micro, expect_loss=True)

@@ -6,6 +6,7 @@ server.py         a server process: one shard, its optimizer, one thread per wor
 staleness.py      clocks, the staleness bound, the histogram (pure bookkeeping)
 stale_lr.py       the staleness-aware learning rate of asynchronous pushes
 backup.py         synchronous rounds that need only the first N - b pushes
+batchnorm.py      BatchNorm's running statistics refused at 2+ workers (why: inside)
 sharding.py       parameters over servers, greedily by bytes (pure)
 optimizer_spec.py the user's optimizer described as JSON and rebuilt in a server
 protocol.py       message headers and packing over gloo point-to-point

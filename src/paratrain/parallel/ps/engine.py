@@ -23,7 +23,9 @@ global batch's (late shares fold into the next version; waiting for them is what
 workers avoid). ``StepStats.samples`` is always the size of this worker's share (the
 trainer adds the workers' rates up).
 ``eval_step`` and ``state_dict`` read the servers' current parameters, which other workers
-may be changing at that moment. Buffers (none in the reference models) stay per worker.
+may be changing at that moment. Buffers (none in the reference models) stay per worker;
+BatchNorm's running statistics would then differ from worker to worker, so a model with
+them is refused at more than one worker (``batchnorm``).
 
 Mixed precision: workers run forwards under the ``Precision``'s autocast (bf16 or fp16);
 parameters, pushed gradients and the servers' optimizer state stay fp32. Under fp16 each
@@ -70,6 +72,7 @@ from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.ps import jobkeys, spawn
 from paratrain.parallel.ps.backup import check_backup_workers
+from paratrain.parallel.ps.batchnorm import check_batchnorm
 from paratrain.parallel.ps.checkpointing import ServerCheckpoints
 from paratrain.parallel.ps.client import ServerLink
 from paratrain.parallel.ps.clipping import check_clipping
@@ -174,6 +177,8 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         )
         resolve_transport(run.options.get("transport", "auto"))
         check_clipping(run.max_grad_norm, run.options.get("backup_workers", 0))
+        if run.build_model is not None:
+            check_batchnorm(run.build_model(), run.devices)
         super().check_run(run)
 
     @classmethod
@@ -244,6 +249,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_launch()
+        check_batchnorm(model, comm.world_size())  # on every worker, before any server starts
         self.staleness = check_bound(staleness)
         self.staleness_lr = check_policy(staleness_lr)
         if not isinstance(lookahead, bool):
