@@ -257,9 +257,6 @@ def default_run_dir(config: TrainConfig) -> Path:
 def fit(config: TrainConfig) -> RunResult:
     """Train as ``config`` says on local workers (or inside torchrun) and return the summary."""
     devices = validate(config)
-    warning = time_sharing_warning(config, devices)
-    if warning:
-        print(warning, file=sys.stderr)
     bundle = load_data(config)
     check_pairing(config, bundle)
     validate(config, bundle)
@@ -283,6 +280,10 @@ def fit(config: TrainConfig) -> RunResult:
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is None:
         run_dir = (run_dir_of(resume_from) if resume_from else None) or default_run_dir(config)
+    # Said once every check has passed: a refused run's output is its one sentence.
+    warning = time_sharing_warning(config, devices)
+    if warning and is_main_process():
+        print(warning, file=sys.stderr)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     if resumed and is_main_process():
@@ -523,12 +524,15 @@ def train_worker(
                 **({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}),
             )
         if bar is not None:
-            bar.update(1)
+            # The postfix waits for the bar's own throttled redraw: refreshing it here would
+            # write a line per step into a log file (mininterval governs update() only).
             bar.set_postfix(
                 **_epoch(length, step, text=True),
                 loss=f"{stats.loss:.4f}",
                 samples_s=f"{samples_per_s:.0f}",
+                refresh=False,
             )
+            bar.update(1)
         if step < length.steps and notice.agreed(
             independent=engine.independent_workers, device=engine.device
         ):
