@@ -63,6 +63,7 @@ class MemoryTracker:
         self.total_parameters = total_parameters
         self.meter_every = meter_every
         self.metering = True
+        self._stepped = False  # the first step this process takes is always measured
         self.activations = ActivationMeter()
         self._candidates = candidates
         self._model_state: Callable[[], dict[str, int]] | None = None
@@ -112,8 +113,12 @@ class MemoryTracker:
         return self._model_state is not None
 
     def begin_step(self, step_index: int) -> bool:
-        """Decide whether step ``step_index`` (0-based) is measured; book the state if so."""
-        self.metering = step_index % self.meter_every == 0
+        """Decide whether step ``step_index`` (0-based) is measured; book the state if so.
+        The first step of this process is, whatever its index: a resumed run starts at the
+        checkpoint's step, and would otherwise report an unmeasured ledger (0 B) and meet
+        its budget up to 49 steps late."""
+        self.metering = step_index % self.meter_every == 0 or not self._stepped
+        self._stepped = True
         if self.metering:
             self.account()
         return self.metering
