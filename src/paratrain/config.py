@@ -100,7 +100,7 @@ class RunSettings:
     warmup_steps: int = field(
         default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}
     )
-    momentum: float = field(default=0.0, metadata={"help": "SGD momentum (0 as torch.optim.SGD)"})
+    momentum: float = field(default=0.0, metadata={"help": "SGD momentum, as in torch.optim.SGD"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
     seed: int = field(default=0, metadata={"help": "seed for weights and data order"})
     block_size: int = field(default=64, metadata={"help": "context length (gpt)"})
@@ -219,7 +219,9 @@ class RunSettings:
         self._check_strategy_options()
 
     def _check_strategy_options(self) -> None:
-        """Each strategy option's value, and no option of another strategy left set."""
+        """Each strategy option's value, and no option of another strategy left set (one
+        given at its default is caught by ``refuse_foreign_options``, which knows what the
+        user passed)."""
         for name, (option, users) in declared_options().items():
             value = getattr(self, name)
             try:
@@ -227,11 +229,7 @@ class RunSettings:
             except ValueError as error:
                 raise ConfigError(str(error)) from None
             if value != option.default and self.strategy not in users:
-                flag = option.flag if value is not False else "--no-" + option.flag[2:]
-                owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
-                raise ConfigError(
-                    f"{flag} is a {owners} option; pass --strategy {users[0]} or drop {flag}."
-                )
+                raise ConfigError(_foreign_option(name, value))
 
     def strategy_options(self) -> dict[str, Any]:
         """The chosen strategy's own options, as its engine takes them (``"2,3,3"`` for
@@ -242,6 +240,32 @@ class RunSettings:
             option.name: option.engine_value(getattr(self, option.name))
             for option in strategy_class(self.strategy).options
         }
+
+
+def _foreign_option(name: str, value: Any, source: str | None = None) -> str:
+    """The refusal of a strategy option set for a strategy that does not take it."""
+    option, users = declared_options()[name]
+    flag = option.flag if value is not False else "--no-" + option.flag[2:]
+    owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
+    if source is not None:  # a key of the TOML file
+        return (
+            f"{name} in {source} is a {owners} option; pass --strategy {users[0]} or "
+            f"remove {name} from {source}."
+        )
+    return f"{flag} is a {owners} option; pass --strategy {users[0]} or drop {flag}."
+
+
+def refuse_foreign_options(strategy: str, given: dict[str, tuple[Any, str | None]]) -> None:
+    """Refuse a strategy option the user gave (``given``: name -> (value, the TOML file it
+    came from, or None for the command line)) that ``strategy`` does not take, even at its
+    default: ``--stages 2 --strategy dp`` asks for two stages, and dp would silently train
+    without them. A switch turned off (``--no-recompute``) asks for nothing and passes.
+    (``TrainConfig`` itself refuses only values off the default: it cannot tell a given
+    default from an untouched one.)"""
+    options = declared_options()
+    for name, (value, source) in given.items():
+        if name in options and value is not False and strategy not in options[name][1]:
+            raise ConfigError(_foreign_option(name, value, source))
 
 
 def _option_field(option: StrategyOption, users: list[str]) -> tuple[str, Any, Any]:
@@ -353,17 +377,25 @@ def _refuse_unknown(data: dict[str, Any], *, source: str) -> None:
 
 
 def build_config(
-    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+    file_values: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    config_file: str | None = None,
 ) -> TrainConfig:
     """Defaults, then the TOML file's values, then command-line overrides (``None`` = unset)."""
     kinds = field_types()
     merged: dict[str, Any] = {}
+    given: dict[str, tuple[Any, str | None]] = {}
     for source, values in (("config file", file_values or {}), ("overrides", overrides or {})):
         _refuse_unknown(values, source=source)
         for name, value in values.items():
             if value is not None:
                 merged[name] = coerce(name, value, kinds[name])
-    return TrainConfig(**merged)
+                named = (config_file or "the config file") if source == "config file" else None
+                given[name] = (merged[name], named)
+    config = TrainConfig(**merged)
+    refuse_foreign_options(config.strategy, given)
+    return config
 
 
 def as_dict(config: TrainConfig) -> dict[str, Any]:
