@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -602,6 +603,10 @@ def _progress_bar(config: TrainConfig, length: RunLength, *, enabled: bool, init
 
     from tqdm.auto import tqdm
 
+    # One process draws the only bar, so a thread lock serves; tqdm's default also makes a
+    # multiprocessing semaphore, which a worker stopped by Ctrl-C (SIGKILL) leaks, and the
+    # resource tracker then prints a two-line warning under the run's one-line ending.
+    tqdm.set_lock(threading.RLock())
     # Redrawn in place on a terminal; in a log file, a line every 10 s rather than a flood.
     interval = 0.2 if sys.stderr.isatty() else 10.0
     return tqdm(
