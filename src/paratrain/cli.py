@@ -199,7 +199,7 @@ def _train(args: argparse.Namespace) -> int:
     file_values = load_toml(args.config) if args.config else {}
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
     if overrides.get("resume") is None and file_values.get("resume") is None:
-        config = build_config(file_values, overrides, config_file=args.config)
+        config = build_config(file_values, overrides)
     else:  # the checkpoint's settings, then what the user may change
         config = resume_config(file_values, overrides, config_file=args.config)
     try:

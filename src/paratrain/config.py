@@ -219,9 +219,9 @@ class RunSettings:
         self._check_strategy_options()
 
     def _check_strategy_options(self) -> None:
-        """Each strategy option's value, and no option of another strategy left set (one
-        given at its default is caught by ``refuse_foreign_options``, which knows what the
-        user passed)."""
+        """Each strategy option's value, and no option of another strategy left set (a
+        flag given at its default is caught by ``refuse_foreign_flags``, which knows what
+        the user passed)."""
         for name, (option, users) in declared_options().items():
             value = getattr(self, name)
             try:
@@ -242,30 +242,25 @@ class RunSettings:
         }
 
 
-def _foreign_option(name: str, value: Any, source: str | None = None) -> str:
+def _foreign_option(name: str, value: Any) -> str:
     """The refusal of a strategy option set for a strategy that does not take it."""
     option, users = declared_options()[name]
     flag = option.flag if value is not False else "--no-" + option.flag[2:]
     owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
-    if source is not None:  # a key of the TOML file
-        return (
-            f"{name} in {source} is a {owners} option; pass --strategy {users[0]} or "
-            f"remove {name} from {source}."
-        )
     return f"{flag} is a {owners} option; pass --strategy {users[0]} or drop {flag}."
 
 
-def refuse_foreign_options(strategy: str, given: dict[str, tuple[Any, str | None]]) -> None:
-    """Refuse a strategy option the user gave (``given``: name -> (value, the TOML file it
-    came from, or None for the command line)) that ``strategy`` does not take, even at its
-    default: ``--stages 2 --strategy dp`` asks for two stages, and dp would silently train
-    without them. A switch turned off (``--no-recompute``) asks for nothing and passes.
-    (``TrainConfig`` itself refuses only values off the default: it cannot tell a given
-    default from an untouched one.)"""
+def refuse_foreign_flags(strategy: str, flags: dict[str, Any]) -> None:
+    """Refuse a strategy option given on the command line (``flags``: name -> value) that
+    ``strategy`` does not take, even at its default: ``--stages 2 --strategy dp`` asks for
+    two stages, and dp would silently train without them. A switch turned off
+    (``--no-recompute``) asks for nothing and passes. (``TrainConfig`` itself refuses only
+    values off the default, as it cannot tell a given default from an untouched one; a
+    TOML file's key at its default passes too, since a file may hold every key.)"""
     options = declared_options()
-    for name, (value, source) in given.items():
+    for name, value in flags.items():
         if name in options and value is not False and strategy not in options[name][1]:
-            raise ConfigError(_foreign_option(name, value, source))
+            raise ConfigError(_foreign_option(name, value))
 
 
 def _option_field(option: StrategyOption, users: list[str]) -> tuple[str, Any, Any]:
@@ -377,24 +372,19 @@ def _refuse_unknown(data: dict[str, Any], *, source: str) -> None:
 
 
 def build_config(
-    file_values: dict[str, Any] | None = None,
-    overrides: dict[str, Any] | None = None,
-    *,
-    config_file: str | None = None,
+    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> TrainConfig:
     """Defaults, then the TOML file's values, then command-line overrides (``None`` = unset)."""
     kinds = field_types()
     merged: dict[str, Any] = {}
-    given: dict[str, tuple[Any, str | None]] = {}
     for source, values in (("config file", file_values or {}), ("overrides", overrides or {})):
         _refuse_unknown(values, source=source)
         for name, value in values.items():
             if value is not None:
                 merged[name] = coerce(name, value, kinds[name])
-                named = (config_file or "the config file") if source == "config file" else None
-                given[name] = (merged[name], named)
     config = TrainConfig(**merged)
-    refuse_foreign_options(config.strategy, given)
+    given = {name: merged[name] for name, value in (overrides or {}).items() if value is not None}
+    refuse_foreign_flags(config.strategy, given)
     return config
 
 

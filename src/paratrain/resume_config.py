@@ -30,7 +30,7 @@ from paratrain.config import (
     TrainConfig,
     coerce,
     field_types,
-    refuse_foreign_options,
+    refuse_foreign_flags,
 )
 from paratrain.parallel import declared_options
 from paratrain.run_checkpoints import find_checkpoint
@@ -141,11 +141,6 @@ def resume_config(
             )
     merged = {**inherited, **{name: value for name, (value, _) in given.items()}}
     config = TrainConfig(**merged)
-    refuse_foreign_options(
-        config.strategy,
-        {
-            name: (value, None if source == "command line" else source)
-            for name, (value, source) in given.items()
-        },
-    )
+    flags = {name: value for name, (value, source) in given.items() if source == "command line"}
+    refuse_foreign_flags(config.strategy, flags)
     return config
