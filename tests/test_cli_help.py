@@ -44,6 +44,8 @@ def test_no_option_says_its_default_twice() -> None:
     twice = {flag: text for flag, text in helps.items() if text.count("default") > 1}
     assert twice == {}
     assert all("(default: None)" not in text for text in helps.values())
+    # nor in other words: "(0 as torch.optim.SGD) (default: 0.0)" said the default twice
+    assert helps["--momentum"] == "SGD momentum, as in torch.optim.SGD (default: 0.0)"
 
 
 def test_every_default_that_is_a_value_is_said() -> None:

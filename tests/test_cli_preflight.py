@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratrain.checkpoint import save_model_state
 from paratrain.cli import main
+from paratrain.config import TrainConfig, as_dict
+from paratrain.models import build_model
+from paratrain.preflight import time_sharing_warning
 
 
 @pytest.fixture(autouse=True)
@@ -65,12 +69,33 @@ def test_more_cpu_workers_than_cores_warn_once_that_they_time_share(monkeypatch,
     ]
 
 
-def test_no_warning_within_the_cores(monkeypatch, capsys):
-    """Refused runs are cheap: the warning, where due, comes before the data is read."""
+def test_no_warning_within_the_cores(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = TrainConfig(model="mlp", dataset="synthetic", backend="gloo")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    main(["train", "--model", "lenet", "--dataset", "synthetic", "--devices", "2"])
-    assert "warning" not in capsys.readouterr().err
+    assert time_sharing_warning(config, 2) is None
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
-    main(["train", "--model", "lenet", "--dataset", "synthetic", "--devices", "2"])
-    assert "time-share" in capsys.readouterr().err
+    assert "time-share" in time_sharing_warning(config, 2)
+
+
+def test_a_refused_run_says_only_why(tmp_path, monkeypatch, capsys):
+    """Beyond the cores, a run refused in the parent (here a damaged checkpoint to resume)
+    prints its one sentence without the warning above it, which is for runs that run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    settings = {"model": "mlp", "dataset": "synthetic", "hidden": 8, "depth": 1, "devices": 2}
+    torch.manual_seed(0)
+    model = build_model("mlp", in_features=784, hidden=8, depth=1, classes=10)
+    saved = save_model_state(
+        tmp_path / "run" / "final",
+        model.state_dict(),
+        metadata={"config": as_dict(TrainConfig(**settings))},
+    )
+    shard = saved / "model-0.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    assert main(["train", "--resume", str(tmp_path / "run"), "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is damaged or was changed after saving" in err, err
+    assert main(["train", "--model", "lenet", "--dataset", "synthetic", "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs image-shaped inputs" in err, err

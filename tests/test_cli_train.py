@@ -116,6 +116,10 @@ def test_config_file_with_unknown_key_fails_before_workers_start(tmp_path, capsy
         (["--model", "resnet"], "unknown model 'resnet'"),
         (["--strategy", "single", "--devices", "2"], "pass --devices 1"),
         (["--model", "lenet", "--dataset", "synthetic"], "needs image-shaped inputs"),
+        # options of another strategy, the examples, and one at its default
+        (["--strategy", "dp", "--balance", "2,2"], "--balance is a pipeline option; pass"),
+        (["--strategy", "dp", "--staleness", "2"], "--staleness is a ps option; pass"),
+        (["--strategy", "dp", "--stages", "2"], "--stages is a pipeline option; pass"),
     ],
 )
 def test_bad_runs_are_refused_with_one_sentence(tmp_path, capsys, args, message):

@@ -137,6 +137,12 @@ def test_the_console_prints_each_evaluation_and_metrics_hold_accuracy(tmp_path, 
     ]
     assert all(line.endswith("(512 samples)") and "accuracy " in line for line in lines)
     assert "20 steps (2 epochs)" in out and "final accuracy" in out
+    # The bar (stderr, not a terminal here) counts steps and shows the epoch, and in a log
+    # redraws every 10 s, around each eval line and at the end, not once per step (it
+    # once wrote 20 lines here, one a step).
+    renders = err.replace("\r", "\n").split("train mlp/dp:")[1:]
+    assert "20/20" in renders[-1] and "epoch=2/2" in renders[-1], err
+    assert len(renders) <= 8, err
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in records if r["kind"] == "eval"]
     assert [(r["step"], r["epoch"], r["samples"]) for r in evals] == [(10, 1, 512), (20, 2, 512)]

@@ -172,6 +172,27 @@ def test_metering_samples_the_first_two_steps_and_every_meter_every_after():
     assert [i for i, on in enumerate(decisions) if on] == [0, 1, METER_EVERY, 2 * METER_EVERY]
 
 
+def test_a_resumed_engine_measures_its_first_step_whatever_its_index(tmp_path):
+    """A run resumed at step 3 takes steps 4, 5, ...: its first two steps are measured all
+    the same (once, its first was not, and the report showed its gradients and optimizer
+    state as 0 B), and so is every METER_EVERY-th step after."""
+    x, y = workers.parity_batches("mlp")[0]
+    trained = workers.parity_engine("single", "mlp", "adam")
+    for _ in range(3):
+        trained.train_step(x, y)
+    trained.save_checkpoint(tmp_path / "ckpt")
+    resumed = workers.parity_engine("single", "mlp", "adam")
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.steps_taken == 3
+    resumed.train_step(x, y)
+    peak = resumed.memory.ledger.record()["peak"]
+    assert peak["gradients"] == peak["parameters"] > 0
+    assert peak["optimizer"] >= 2 * peak["parameters"] and peak["activations"] > 0
+    later = range(4, 2 * METER_EVERY + 1)
+    metered = [i for i in later if resumed.memory.begin_step(i)]
+    assert metered == [4, METER_EVERY, 2 * METER_EVERY]  # 4: the process's second step
+
+
 def test_budget_overflow_is_caught_on_the_first_step():
     """A budget above the parameters but below parameters + activations fails at step 1."""
     engine = workers.parity_engine("single", "gpt", "adam")

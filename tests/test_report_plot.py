@@ -204,6 +204,35 @@ def test_a_resumed_run_keeps_its_wall_time_running(tmp_path):
     assert compare_rows([run])[0].time_to_best_s == 2.5
 
 
+def memory(worker: int, parameters: int, gradients: int) -> dict:
+    peak = {"parameters": parameters, "gradients": gradients}
+    return {"kind": "memory", "worker": worker, "peak": peak, "peak_total": parameters}
+
+
+def test_a_run_resumed_under_another_layout_reports_its_last_attempt(tmp_path):
+    """dp on 2 workers, resumed as zero2 on 4, then as zero2 on 2: the header, the
+    strategy's own figures and the memory lines are the last attempt's (the one whose
+    summary the console printed last), not the first's, and no worker of an earlier
+    layout is left among them."""
+    first, second, third = config("dp"), {**config("zero2"), "workers": 4}, config("zero2")
+    step = {"samples_per_s": 9.0}
+    records = [first, train(1, 2.0, 1.0, **step), memory(0, 100, 100), memory(1, 100, 100)]
+    records += [second, train(2, 1.5, 0.5, **step), *(memory(w, 100, 25) for w in range(4))]
+    records += [third, train(3, 1.0, 0.5, **step), memory(0, 100, 50), memory(1, 100, 50)]
+    run = load_run(write_run(tmp_path / "resumed", records))
+    assert (run.strategy, run.workers) == ("zero2", 2)
+    assert {w: r["peak"]["gradients"] for w, r in run.memory.items()} == {0: 50, 1: 50}
+    text = summarize_run(run)
+    assert text.splitlines()[0].endswith("strategy zero2, 2 worker(s)")
+    assert (
+        "  attempts            dp on 2 worker(s) -> zero2 on 4 worker(s) -> zero2 on 2 worker(s)"
+        in text
+    )
+    # an attempt that failed before writing its ledger leaves the previous one's
+    failed = write_run(tmp_path / "failed", [*records, config("dp"), train(4, 0.9, 0.1, **step)])
+    assert sorted(load_run(failed).memory) == [0, 1]
+
+
 def test_the_best_loss_is_the_first_time_the_lowest_eval_loss_was_logged(tmp_path):
     evals = [
         {"kind": "eval", "time_s": t, "step": s, "eval_loss": loss}

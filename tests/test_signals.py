@@ -22,14 +22,14 @@ from paratrain.checkpoint import Checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [
     sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--dataset", "synthetic",
-    "--devices", "2", "--global-batch", "16", "--log-every", "1", "--no-progress",
+    "--devices", "2", "--global-batch", "16", "--log-every", "1",
 ]  # fmt: skip
 
 
-def _start(arguments: list[str]) -> subprocess.Popen:
+def _start(arguments: list[str], *, progress: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     return subprocess.Popen(
-        [*TRAIN, *arguments],
+        [*TRAIN, *([] if progress else ["--no-progress"]), *arguments],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -96,15 +96,27 @@ def test_sigterm_checkpoints_after_the_current_step_and_the_run_resumes(tmp_path
     assert Checkpoint(run / "final").step == step + 2
 
 
+INTERRUPTED = "paratrain: interrupted; every worker was stopped."
+
+
 @pytest.mark.slow
-def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
+@pytest.mark.parametrize("progress", [False, True])
+def test_ctrl_c_stops_every_process_with_one_line(tmp_path, progress):
+    """With the progress bar (the default) too: the line once followed the bar's last
+    render on the same line, and a two-line warning about a semaphore the killed worker's
+    bar leaked came after it."""
     run = tmp_path / "run"
-    process = _start(["--steps", "100000", "--run-dir", str(run)])
+    process = _start(["--steps", "100000", "--run-dir", str(run)], progress=progress)
     _wait_for_training(run / "metrics.jsonl", process)
     workers = _children(process.pid)
     assert workers, "the launcher started no worker processes"
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130
-    assert err.strip() == "paratrain: interrupted; every worker was stopped.", err[-3000:]
+    if progress:  # the bar's renders (redrawn with \r), then the line on a line of its own
+        bar = [line for line in err.replace("\r", "\n").splitlines() if line.strip()][:-1]
+        assert bar and all(line.startswith("train mlp/dp:") for line in bar), err[-3000:]
+        assert err.endswith(f"\n{INTERRUPTED}\n"), err[-3000:]
+    else:
+        assert err == f"{INTERRUPTED}\n", err[-3000:]
     assert _gone(workers), "a worker process outlived Ctrl-C"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config import ConfigError, TrainConfig
+from paratrain.checkpoint import save_model_state
+from paratrain.config import ConfigError, TrainConfig, build_config
 from paratrain.parallel import RunSpec, declared_options, strategy_class, strategy_names
 from paratrain.parallel.fit_advice import ranked_strategies
 from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.strategy import engine_options
+from paratrain.resume_config import resume_config
 from paratrain.trainer import validate
 
 
@@ -45,6 +47,23 @@ def test_an_option_of_another_strategy_is_refused():
     with pytest.raises(ConfigError, match=r"--tensor is a dp, pipeline, tp, zero1, zero2 option"):
         TrainConfig(strategy="zero3", tensor=2)
     assert TrainConfig(strategy="dp", stages=2).strategy == "dp", "the default is no choice"
+
+
+def test_a_flag_given_at_its_default_for_another_strategy_is_refused(tmp_path):
+    """``--stages 2 --strategy dp`` asks for two stages; dp trained without them (2 is the
+    default, which is all ``TrainConfig`` can see). A flag the user gave is refused, on a
+    new run or a resume; a switch turned off asks for nothing, and a TOML file may hold
+    every key at its default (a config copied from metrics.jsonl does)."""
+    with pytest.raises(ConfigError, match=r"^--stages is a pipeline option; pass --strategy"):
+        build_config({}, {"strategy": "dp", "stages": "2"})
+    with pytest.raises(ConfigError, match=r"^--staleness is a ps option"):
+        build_config({}, {"strategy": "dp", "staleness": "0"})
+    assert build_config({"servers": 1, "stages": 2}, {"strategy": "zero1"}).servers == 1
+    assert build_config({}, {"strategy": "ps", "stages": None, "recompute": False}).servers == 1
+    assert build_config({}, {"strategy": "pipeline", "stages": "2"}).stages == 2
+    saved = save_model_state(tmp_path / "run" / "final", {}, metadata={"config": {}})
+    with pytest.raises(ConfigError, match=r"^--schedule is a pipeline option"):
+        resume_config({}, {"resume": str(saved), "strategy": "dp", "schedule": "1f1b"})
 
 
 def test_option_values_are_checked_as_declared():

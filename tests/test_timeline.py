@@ -3,6 +3,14 @@
 Timelines are built by hand with a tiny scheduler (each stage runs its operations in the
 given order, each as soon as its input is ready), so the expected bubbles can be worked out
 on paper and written literally.
+
+Tolerances: a bubble is a float64 ratio of sums of a few dozen durations that are whole
+or half units, exact in binary, so only the final divisions and the float64 sums of
+``time.perf_counter``-like offsets round: a handful of roundings of 2^-53 (1.1e-16), at
+most ~1e-15. ``abs=1e-12`` leaves a thousandfold margin and is far below the smallest
+change a scheduling error makes (one unit of idle in a span of at most 30: 0.03).
+``pytest.approx``'s default (rel 1e-6) on the theoretical bubble and the trace's
+microseconds holds for the same reason.
 """
 
 from __future__ import annotations

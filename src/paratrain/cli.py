@@ -214,7 +214,12 @@ def _train(args: argparse.Namespace) -> int:
         config = build_config(file_values, overrides)
     else:  # the checkpoint's settings, then what the user may change
         config = resume_config(file_values, overrides, config_file=args.config)
-    result = fit(config)
+    try:
+        result = fit(config)
+    except KeyboardInterrupt:
+        if config.progress:  # the bar's last line has no end: the one line starts its own
+            print(file=sys.stderr)
+        raise
     if not is_main_process():  # under torchrun every rank gets here; one summary is enough
         return EXIT_PREEMPTED if result.preempted_at is not None else 0
     print(format_summary(result))

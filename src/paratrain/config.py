@@ -113,7 +113,7 @@ class RunSettings:
     warmup_steps: int = field(
         default=0, metadata={"help": "steps of linear warmup from lr / warmup-steps to lr"}
     )
-    momentum: float = field(default=0.0, metadata={"help": "SGD momentum (0 as torch.optim.SGD)"})
+    momentum: float = field(default=0.0, metadata={"help": "SGD momentum, as in torch.optim.SGD"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
     seed: int = field(default=0, metadata={"help": "seed for weights and data order"})
     block_size: int = field(default=64, metadata={"help": "context length (gpt)"})
@@ -232,7 +232,9 @@ class RunSettings:
         self._check_strategy_options()
 
     def _check_strategy_options(self) -> None:
-        """Each strategy option's value, and no option of another strategy left set."""
+        """Each strategy option's value, and no option of another strategy left set (a
+        flag given at its default is caught by ``refuse_foreign_flags``, which knows what
+        the user passed)."""
         for name, (option, users) in declared_options().items():
             value = getattr(self, name)
             try:
@@ -240,11 +242,7 @@ class RunSettings:
             except ValueError as error:
                 raise ConfigError(str(error)) from None
             if value != option.default and self.strategy not in (*users, AUTO):
-                flag = option.flag if value is not False else "--no-" + option.flag[2:]
-                owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
-                raise ConfigError(
-                    f"{flag} is a {owners} option; pass --strategy {users[0]} or drop {flag}."
-                )
+                raise ConfigError(_foreign_option(name, value))
 
     def strategy_options(self) -> dict[str, Any]:
         """The chosen strategy's own options, as its engine takes them (``"2,3,3"`` for
@@ -255,6 +253,29 @@ class RunSettings:
             option.name: option.engine_value(getattr(self, option.name))
             for option in strategy_class(self.strategy).options
         }
+
+
+def _foreign_option(name: str, value: Any) -> str:
+    """The refusal of a strategy option set for a strategy that does not take it."""
+    option, users = declared_options()[name]
+    flag = option.flag if value is not False else "--no-" + option.flag[2:]
+    owners = " or ".join(users) if len(users) < 3 else ", ".join(users)
+    return f"{flag} is a {owners} option; pass --strategy {users[0]} or drop {flag}."
+
+
+def refuse_foreign_flags(strategy: str, flags: dict[str, Any]) -> None:
+    """Refuse a strategy option given on the command line (``flags``: name -> value) that
+    ``strategy`` does not take, even at its default: ``--stages 2 --strategy dp`` asks for
+    two stages, and dp would silently train without them. A switch turned off
+    (``--no-recompute``) asks for nothing and passes. (``TrainConfig`` itself refuses only
+    values off the default, as it cannot tell a given default from an untouched one; a
+    TOML file's key at its default passes too, since a file may hold every key.)"""
+    if strategy == AUTO:  # every option given is a constraint the planner keeps
+        return
+    options = declared_options()
+    for name, value in flags.items():
+        if name in options and value is not False and strategy not in options[name][1]:
+            raise ConfigError(_foreign_option(name, value))
 
 
 def _option_field(option: StrategyOption, users: list[str]) -> tuple[str, Any, Any]:
@@ -376,7 +397,10 @@ def build_config(
         for name, value in values.items():
             if value is not None:
                 merged[name] = coerce(name, value, kinds[name])
-    return TrainConfig(**merged)
+    config = TrainConfig(**merged)
+    given = {name: merged[name] for name, value in (overrides or {}).items() if value is not None}
+    refuse_foreign_flags(config.strategy, given)
+    return config
 
 
 def as_dict(config: TrainConfig) -> dict[str, Any]:

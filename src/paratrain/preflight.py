@@ -4,6 +4,8 @@ the data nor a worker.
 ``trainer.validate`` runs them in the parent before anything is created on disk (the run
 folder, a cache folder), so a mistyped name, a missing folder or a backend the machine
 cannot give costs one sentence and leaves nothing behind, as an unknown ``--model`` does.
+The time-sharing warning is printed by ``fit`` once every check has passed, so that a
+refused run says only why.
 """
 
 from __future__ import annotations

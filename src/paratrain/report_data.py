@@ -25,16 +25,21 @@ class RunMetrics:
 
     run_dir: Path
     config: dict[str, Any]
+    """The settings of the run's last attempt (a resume may change the strategy and the
+    worker count), which wrote the summary the console printed last."""
     workers: int | None
     train: list[dict[str, Any]]
     evals: list[dict[str, Any]]
     memory: dict[int, dict[str, Any]]
-    """The last ledger record of each worker, by worker."""
+    """Each worker's ledger record from the last attempt that wrote any, by worker."""
     summary: dict[str, Any] | None
     failures: list[str] = field(default_factory=list)
     """Each failed attempt's sentence (``{"kind": "failed"}`` records, see resume.py)."""
     display_name: str | None = None
     """How tables and legends name the run; default: its folder's name."""
+    layouts: list[str] = field(default_factory=list)
+    """Each attempt's layout in order (``dp on 2 worker(s)``): more than one for a run
+    that was resumed or restarted."""
 
     @property
     def name(self) -> str:
@@ -107,31 +112,42 @@ def load_run(run_dir: str | Path) -> RunMetrics:
     train: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     memory: dict[int, dict[str, Any]] = {}
+    attempt_memory: dict[int, dict[str, Any]] = {}
     summary = None
     failures: list[str] = []
     offset = last = 0.0
     for record in records:
         kind = record["kind"]
-        if kind == "config" and record is not configs[0]:
-            offset = last  # a resumed attempt's clock starts at 0 again
+        if kind == "config":
+            attempt_memory = {}  # a new attempt: another layout may have other workers
+            if record is not configs[0]:
+                offset = last  # a resumed attempt's clock starts at 0 again
         elif kind in ("train", "eval"):
             if "time_s" in record:  # absent in files written before it was logged
                 last = offset + float(record["time_s"])
             (train if kind == "train" else evals).append({**record, "time_s": last})
         elif kind == "memory":
-            memory[int(record["worker"])] = record
+            attempt_memory[int(record["worker"])] = record
+            memory = attempt_memory
         elif kind == "summary":
             summary = record
         elif kind == "failed":
             failures.append(str(record.get("error", "")))
-    first = configs[0] if configs else {}
+    latest = configs[-1] if configs else {}
     return RunMetrics(
         run_dir=run_dir,
-        config=first.get("config", {}),
-        workers=first.get("workers"),
+        config=latest.get("config", {}),
+        workers=latest.get("workers"),
         train=train,
         evals=evals,
         memory=dict(sorted(memory.items())),
         summary=summary,
         failures=failures,
+        layouts=[_layout(record) for record in configs],
     )
+
+
+def _layout(config_record: dict[str, Any]) -> str:
+    strategy = config_record.get("config", {}).get("strategy", "?")
+    workers = config_record.get("workers")
+    return f"{strategy} on {workers if workers is not None else '?'} worker(s)"

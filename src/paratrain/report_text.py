@@ -24,6 +24,8 @@ def summarize_run(run: RunMetrics) -> str:
         f"{settings.get('dataset', '?')}, strategy {run.strategy}, "
         f"{run.workers if run.workers is not None else '?'} worker(s)"
     ]
+    if len(run.layouts) > 1:  # resumed or restarted: the header is the last attempt's
+        lines.append(f"  attempts            {' -> '.join(run.layouts)}")
     if run.train:
         last = run.train[-1]
         lines.append(f"  steps logged        {len(run.train)} (last step {last['step']})")

@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.checkpoint import read_manifest
-from paratrain.config import ConfigError, TrainConfig, coerce, field_types
+from paratrain.config import (
+    ConfigError,
+    TrainConfig,
+    coerce,
+    field_types,
+    refuse_foreign_flags,
+)
 from paratrain.parallel import declared_options
 from paratrain.run_checkpoints import find_checkpoint
 
@@ -134,4 +140,7 @@ def resume_config(
                 )
             )
     merged = {**inherited, **{name: value for name, (value, _) in given.items()}}
-    return TrainConfig(**merged)
+    config = TrainConfig(**merged)
+    flags = {name: value for name, (value, source) in given.items() if source == "command line"}
+    refuse_foreign_flags(config.strategy, flags)
+    return config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -298,9 +299,6 @@ def fit(config: TrainConfig) -> RunResult:
         if is_main_process():
             print(f"paratrain: {chosen.summary()}", file=sys.stderr)
     devices = validate(config)
-    warning = time_sharing_warning(config, devices)
-    if warning:
-        print(warning, file=sys.stderr)
     bundle = load_data(config)
     check_pairing(config, bundle)
     validate(config, bundle)
@@ -324,6 +322,10 @@ def fit(config: TrainConfig) -> RunResult:
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is None:
         run_dir = (run_dir_of(resume_from) if resume_from else None) or default_run_dir(config)
+    # Said once every check has passed: a refused run's output is its one sentence.
+    warning = time_sharing_warning(config, devices)
+    if warning and is_main_process():
+        print(warning, file=sys.stderr)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     if resumed and is_main_process():
@@ -565,12 +567,15 @@ def train_worker(
                 **({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}),
             )
         if bar is not None:
-            bar.update(1)
+            # The postfix waits for the bar's own throttled redraw: refreshing it here would
+            # write a line per step into a log file (mininterval governs update() only).
             bar.set_postfix(
                 **_epoch(length, step, text=True),
                 loss=f"{stats.loss:.4f}",
                 samples_s=f"{samples_per_s:.0f}",
+                refresh=False,
             )
+            bar.update(1)
         if step < length.steps and notice.agreed(
             independent=engine.independent_workers, device=engine.device
         ):
@@ -640,6 +645,10 @@ def _progress_bar(config: TrainConfig, length: RunLength, *, enabled: bool, init
 
     from tqdm.auto import tqdm
 
+    # One process draws the only bar, so a thread lock serves; tqdm's default also makes a
+    # multiprocessing semaphore, which a worker stopped by Ctrl-C (SIGKILL) leaks, and the
+    # resource tracker then prints a two-line warning under the run's one-line ending.
+    tqdm.set_lock(threading.RLock())
     # Redrawn in place on a terminal; in a log file, a line every 10 s rather than a flood.
     interval = 0.2 if sys.stderr.isatty() else 10.0
     return tqdm(

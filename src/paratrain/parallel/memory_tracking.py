@@ -65,6 +65,7 @@ class MemoryTracker:
         self.total_parameters = total_parameters
         self.meter_every = meter_every
         self.metering = True
+        self._steps_seen = 0  # the first two steps this process takes are always measured
         self.activations = ActivationMeter()
         self._candidates = candidates
         self._model_state: Callable[[], dict[str, int]] | None = None
@@ -114,8 +115,12 @@ class MemoryTracker:
         return self._model_state is not None
 
     def begin_step(self, step_index: int) -> bool:
-        """Decide whether step ``step_index`` (0-based) is measured; book the state if so."""
-        self.metering = step_index < 2 or step_index % self.meter_every == 0
+        """Decide whether step ``step_index`` (0-based) is measured; book the state if so.
+        The first two steps of this process are, whatever their index: a resumed run starts
+        at the checkpoint's step, and would otherwise report an unmeasured ledger (0 B) and
+        meet its budget up to 49 steps late; the second reaches the steady peak."""
+        self.metering = self._steps_seen < 2 or step_index % self.meter_every == 0
+        self._steps_seen += 1
         if self.metering:
             self.account()
         return self.metering
