@@ -230,7 +230,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 SCENARIOS = [
     # (label, model, model overrides, devices, global batch, budget)
-    ("fits each worker", "mlp", {}, 2, 32, "64MiB"),
+    ("fits each worker", "mlp", {"hidden": 1024}, 2, 64, "128MiB"),
     ("fits only sharded", "gpt", {"n_embd": 256, "n_layer": 4}, 4, 16, "26MiB"),
     ("fits only split", "blocks", {"width": 512, "hidden": 2048, "depth": 2}, 4, 16, "40MiB"),
 ]

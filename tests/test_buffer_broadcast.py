@@ -68,7 +68,8 @@ def test_broadcast_buffers_is_an_option_of_the_replica_engines():
         "sync_batchnorm": False,
         "units": None,
     }
-    with pytest.raises(ConfigError, match="--no-broadcast-buffers is a dp, zero1, zero2, zero3"):
+    foreign = "--no-broadcast-buffers is a dp, tp, zero1, zero2, zero3"
+    with pytest.raises(ConfigError, match=foreign):
         TrainConfig(strategy="pipeline", broadcast_buffers=False)
 
 

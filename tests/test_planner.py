@@ -299,3 +299,20 @@ def test_train_strategy_auto_says_its_choice_and_the_measured_figures_beside_it(
     line = next(x for x in captured.out.splitlines() if x.startswith("  planned memory    "))
     off = float(line.split("(")[1].split("%")[0])
     assert abs(off) <= 100 * ACCURACY, line
+
+
+def test_shared_cores_give_the_work_over_the_cores_or_the_chain_whichever_is_longer():
+    machine = pw.machine()  # 8 cores
+    assert machine.compute_seconds(total_work_s=4.0, critical_s=1.0) == 1.0  # 4 workers
+    assert machine.compute_seconds(total_work_s=16.0, critical_s=1.0) == 2.0  # 16 workers
+    # a pipeline's chain of m + p - 1 slots can outlast its work spread over the cores
+    assert machine.compute_seconds(total_work_s=8.0, critical_s=3.5) == 3.5
+
+
+def test_the_machines_figures_survive_their_json_file():
+    from paratrain.planner.machine import from_json, to_json
+
+    machine = pw.machine()
+    assert from_json(to_json(machine)) == machine
+    assert machine.reduce_scatter_s(1e6, 2) == machine.all_reduce_s(1e6, 2)  # none measured
+    assert machine.all_reduce_s(1e6, 1) == 0.0  # a group of one sends nothing

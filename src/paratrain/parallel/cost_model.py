@@ -213,25 +213,44 @@ class MachineCosts:
     """Group size -> seconds of one all-reduce as a line in its payload bytes."""
     send: Line
     """Seconds of one point-to-point message as a line in its bytes."""
+    reduce_scatter: dict[int, Line] = field(default_factory=dict)
+    """Likewise for a reduce-scatter (payload: the whole buffer each member hands over)."""
+    all_gather: dict[int, Line] = field(default_factory=dict)
+    """Likewise for an all-gather (payload: the whole buffer each member ends up with)."""
 
     def all_reduce_s(self, payload_bytes: float, group: int, messages: float = 1.0) -> float:
         """Seconds of ``messages`` all-reduces of ``payload_bytes`` in all over ``group``."""
-        if group <= 1 or messages <= 0:
+        return self._seconds(self.all_reduce, payload_bytes, group, messages)
+
+    def reduce_scatter_s(self, payload_bytes: float, group: int, messages: float = 1.0) -> float:
+        return self._seconds(self.reduce_scatter or self.all_reduce, payload_bytes, group, messages)
+
+    def all_gather_s(self, payload_bytes: float, group: int, messages: float = 1.0) -> float:
+        return self._seconds(self.all_gather or self.all_reduce, payload_bytes, group, messages)
+
+    @staticmethod
+    def _seconds(lines: dict[int, Line], payload: float, group: int, messages: float) -> float:
+        if group <= 1 or messages <= 0 or not lines:
             return 0.0
-        line = self.all_reduce.get(group) or self._nearest(group)
-        return messages * line.intercept + line.slope * payload_bytes
+        line = lines.get(group) or _nearest(lines, group)
+        return messages * line.intercept + line.slope * payload
 
-    def _nearest(self, group: int) -> Line:
-        """A group size not measured: the measured one nearest, its time scaled by the ring
-        factor 2(n-1)/n per byte and log2(n) per message."""
-        size = min(self.all_reduce, key=lambda n: abs(math.log2(n) - math.log2(group)))
-        line = self.all_reduce[size]
-        per_byte = (2 * (group - 1) / group) / (2 * (size - 1) / size)
-        return Line(line.intercept * math.log2(group) / math.log2(size), line.slope * per_byte)
+    def compute_seconds(self, total_work_s: float, critical_s: float) -> float:
+        """A step's compute where the workers' work adds up to ``total_work_s`` (at one
+        worker's speed) and its longest chain of dependent work is ``critical_s``: the
+        cores run at most ``cores`` workers at once, so the step takes at least the work
+        spread over them, and at least the chain (a pipeline's stages idle in its bubble,
+        leaving their cores to others)."""
+        return max(total_work_s / max(1, self.cores), critical_s)
 
-    def compute_share(self, workers: int) -> float:
-        """How much slower compute runs when ``workers`` processes share ``cores``."""
-        return max(1.0, workers / max(1, self.cores))
+
+def _nearest(lines: dict[int, Line], group: int) -> Line:
+    """A group size not measured: the measured one nearest, its time scaled by the ring
+    factor 2(n-1)/n per byte and log2(n) per message."""
+    size = min(lines, key=lambda n: abs(math.log2(n) - math.log2(group)))
+    line = lines[size]
+    per_byte = (2 * (group - 1) / group) / (2 * (size - 1) / size)
+    return Line(line.intercept * math.log2(group) / math.log2(size), line.slope * per_byte)
 
 
 @dataclass(frozen=True)

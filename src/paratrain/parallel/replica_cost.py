@@ -69,10 +69,9 @@ def predict(
         gradients_persist=replicas > 1,
     )
     workers = replicas * costs.tensor
-    compute = machine.compute_share(workers) * (
-        compute_seconds(costs, samples, accumulation, recompute)
-        + costs.optimizer.step_s_per_element * costs.elements()
-    )
+    one = compute_seconds(costs, samples, accumulation, recompute)
+    one += costs.optimizer.step_s_per_element * costs.elements()
+    compute = machine.compute_seconds(workers * one, one)
     communication = machine.all_reduce_s(params, replicas) + tensor_seconds(
         costs, machine, samples, accumulation
     )

@@ -28,7 +28,7 @@ from paratrain.runtime.devices import current_device
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
 REPEATS = 5
-FORMAT = 1
+FORMAT = 2
 
 
 def cores() -> int:
@@ -49,20 +49,16 @@ def measure_collectives() -> MachineCosts:
     """Every worker of the job calls it; every worker gets the same figures."""
     world, rank = comm.world_size(), comm.rank()
     device = current_device()
-    lines: dict[int, Line] = {}
+    kinds: dict[str, dict[int, Line]] = {"all_reduce": {}, "reduce_scatter": {}, "all_gather": {}}
     for size in (g for g in divisors(world) if g >= 2):
         group = None if size == world else dist.new_group(list(range(size)))
-        points = []
-        for nbytes in SIZES:
-            payload = torch.zeros(nbytes // 4, device=device)
-            seconds = 0.0
-            if rank < size:
-                seconds = median_seconds(
-                    lambda payload=payload, group=group: dist.all_reduce(payload, group=group),
-                    REPEATS,
-                )
-            points.append((nbytes, _slowest(seconds)))
-        lines[size] = Line.through(points[0], points[1])
+        for kind, lines in kinds.items():
+            points = []
+            for nbytes in SIZES:
+                run = _collective(kind, nbytes, size, group, device)
+                seconds = median_seconds(run, REPEATS) if rank < size else 0.0
+                points.append((nbytes, _slowest(seconds)))
+            lines[size] = Line.through(points[0], points[1])
     send_points = []
     for nbytes in SIZES:
         payload = torch.zeros(nbytes // 4, device=device)
@@ -78,9 +74,22 @@ def measure_collectives() -> MachineCosts:
     return MachineCosts(
         cores=cores(),
         backend=dist.get_backend(),
-        all_reduce=lines,
+        all_reduce=kinds["all_reduce"],
         send=Line.through(send_points[0], send_points[1]),
+        reduce_scatter=kinds["reduce_scatter"],
+        all_gather=kinds["all_gather"],
     )
+
+
+def _collective(kind: str, nbytes: int, size: int, group, device: torch.device):
+    """One collective of ``nbytes`` in all over a group of ``size``, as the engines call it."""
+    whole = torch.zeros(nbytes // 4 // size * size, device=device)
+    part = torch.zeros(whole.numel() // size, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(whole, group=group)
+    if kind == "reduce_scatter":
+        return lambda: comm.reduce_scatter_sum(part, whole, group=group)
+    return lambda: comm.all_gather_flat(whole, part, group=group)
 
 
 def _measure_worker() -> dict:
@@ -92,17 +101,25 @@ def to_json(machine: MachineCosts) -> dict:
         "format": FORMAT,
         "cores": machine.cores,
         "backend": machine.backend,
-        "all_reduce": {str(k): [v.intercept, v.slope] for k, v in machine.all_reduce.items()},
+        **{
+            kind: {str(k): [v.intercept, v.slope] for k, v in getattr(machine, kind).items()}
+            for kind in ("all_reduce", "reduce_scatter", "all_gather")
+        },
         "send": [machine.send.intercept, machine.send.slope],
     }
 
 
 def from_json(data: dict) -> MachineCosts:
+    def lines(kind: str) -> dict[int, Line]:
+        return {int(k): Line(*map(float, v)) for k, v in data[kind].items()}
+
     return MachineCosts(
         cores=int(data["cores"]),
         backend=str(data["backend"]),
-        all_reduce={int(k): Line(*map(float, v)) for k, v in data["all_reduce"].items()},
+        all_reduce=lines("all_reduce"),
         send=Line(*map(float, data["send"])),
+        reduce_scatter=lines("reduce_scatter"),
+        all_gather=lines("all_gather"),
     )
 
 

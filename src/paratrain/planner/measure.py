@@ -187,9 +187,9 @@ def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, re
 
         return tuple(grad_input(a) for a in args), kwargs
 
-    def forward():
+    def forward():  # with the graph built, as recompute runs it again in backward
         a, k = prepared()
-        with torch.no_grad(), autocast_of():
+        with torch.enable_grad(), autocast_of():
             return layer(*a, **k)
 
     def forward_backward():

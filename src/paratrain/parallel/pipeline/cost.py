@@ -70,7 +70,7 @@ def predict(
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages, options, samples))
     worst: dict[str, int] | None = None
-    slowest = 0.0
+    slowest = busy = 0.0
     largest_stage = 0
     for stage, (start, end) in enumerate(bounds):
         layers = range(start, end)
@@ -104,12 +104,14 @@ def predict(
         )
         per_micro += machine.send.at(out) if not last else 0.0
         slowest = max(slowest, per_micro)
+        busy += per_micro
         largest_stage = max(largest_stage, costs.elements(layers))
     workers = replicas * stages * costs.tensor
-    share = machine.compute_share(workers)
-    compute = share * (
-        rounds * (micro + stages - 1) * slowest + costs.optimizer.step_s_per_element * largest_stage
-    )
+    optimizer = costs.optimizer.step_s_per_element * largest_stage
+    # every stage's micro-batches, on every replica and tensor rank, against the chain of
+    # m + stages - 1 slots of the slowest stage
+    work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
+    compute = machine.compute_seconds(work, rounds * (micro + stages - 1) * slowest + optimizer)
     params_largest = max(costs.param_bytes(range(s, e)) for s, e in bounds)
     communication = machine.all_reduce_s(params_largest, replicas) + machine.all_reduce_s(
         rounds * micro * costs.tensor_bytes.at(samples) / stages,

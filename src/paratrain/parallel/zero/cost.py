@@ -9,9 +9,9 @@ The optimizer holds one flat slice per unit: its per-tensor state (Adam's step) 
 counted per unit, a unit being a ``bucket_mb`` bucket (zero1/2) or a layer with
 parameters (zero3, by default a layer list's layers).
 
-Communication: a reduce-scatter and an all-gather (one all-reduce's traffic) of the
-gradients per step; zero3 also gathers every unit once for forward and once for backward
-in each micro-batch (an all-gather moves what half an all-reduce does).
+Communication, as measured on this machine: a reduce-scatter of each unit's gradients and
+an all-gather of its updated parameters per step; zero3 instead gathers every unit once
+for forward and once for backward in each micro-batch, and reduce-scatters per step.
 """
 
 from __future__ import annotations
@@ -56,16 +56,17 @@ def predict(
         gradients_persist=stage == 1,
     )
     workers = replicas * costs.tensor
-    compute = machine.compute_share(workers) * (
-        compute_seconds(costs, samples, accumulation, recompute)
-        + costs.optimizer.step_s_per_element * costs.elements() * shard
-    )
-    communication = machine.all_reduce_s(params, replicas) + tensor_seconds(
-        costs, machine, samples, accumulation
-    )
-    if stage == 3:
-        gathers = 2 * accumulation * units(costs, stage, 0)
-        communication += machine.all_reduce_s(accumulation * params, replicas, messages=gathers)
+    one = compute_seconds(costs, samples, accumulation, recompute)
+    one += costs.optimizer.step_s_per_element * costs.elements() * shard
+    compute = machine.compute_seconds(workers * one, one)
+    count = units(costs, stage, options.get("bucket_mb", 25.0))
+    communication = machine.reduce_scatter_s(params, replicas, messages=count)
+    communication += tensor_seconds(costs, machine, samples, accumulation)
+    if stage == 3:  # each unit gathered for forward and for backward, per micro-batch
+        gathers = 2 * accumulation
+        communication += machine.all_gather_s(gathers * params, replicas, gathers * count)
+    else:  # the updated slices back into every replica's parameters
+        communication += machine.all_gather_s(params, replicas, messages=count)
     return Prediction.of(
         memory, compute_s=compute, communication_s=communication, workers=workers, machine=machine
     )
