@@ -16,7 +16,7 @@ DEVICES_FLAG := $(if $(DEVICES),--devices $(DEVICES),)
 # left by a different clone would otherwise be what the tests import).
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	@$(PYTHON) -c "import os, sys, pytest, ruff, matplotlib, transformers, paratrain; \
+	@$(PYTHON) -c "import os, sys, pytest, ruff, matplotlib, transformers, tensorboard, paratrain; \
 		sys.exit(os.path.realpath(paratrain.__file__) != os.path.realpath('src/paratrain/__init__.py'))" \
 		2>/dev/null || $(PYTHON) -m pip install -q -e ".[dev]"
 

@@ -89,6 +89,7 @@ def test_sigterm_checkpoints_after_the_current_step_and_the_run_resumes(tmp_path
     assert f"checkpoint {saved}" in line
     assert f"paratrain train --resume {run}" in line
     assert Checkpoint(saved).step == step  # verified: every checksum, the step it names
+    assert f", {step} of 100000 steps (stopped by SIGTERM)," in out  # not the 100000 asked
     # The printed command, with only the length changed, continues from that step.
     resumed = _start(["--resume", str(run), "--steps", str(step + 2)])
     out, err = resumed.communicate(timeout=180)

@@ -159,12 +159,20 @@ def _out_of_memory(error: WorkerError) -> str | None:
     return None
 
 
+def _steps_run(result) -> str:
+    """``100 steps``, or for a run SIGTERM stopped early, how far of how many it got
+    (the configured length alone would claim steps that never ran)."""
+    if result.preempted_at is None:
+        return f"{result.steps} steps"
+    return f"{result.preempted_at} of {result.steps} steps (stopped by SIGTERM)"
+
+
 def format_summary(result) -> str:
     """The closing summary a user reads after ``paratrain train``."""
     config = result.config
     lines = [
         f"paratrain train: {config.model} on {config.dataset}, strategy {config.strategy}, "
-        f"{result.devices} worker(s), {result.steps} steps"
+        f"{result.devices} worker(s), {_steps_run(result)}"
         + (f" ({config.epochs} epoch{'s' * (config.epochs > 1)})" if config.epochs else "")
         + f", global batch {config.global_batch}",
         f"  final train loss  {result.final_train_loss:.4f}",

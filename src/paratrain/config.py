@@ -173,6 +173,13 @@ class RunSettings:
     timeout: float = field(default=300.0, metadata={"help": "seconds any collective may wait"})
     sample_chars: int = field(default=200, metadata={"help": "generated text at the end (gpt)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    tensorboard: bool = field(
+        default=False,
+        metadata={
+            "help": "also write the train and eval metrics as TensorBoard event files to "
+            "RUN/tensorboard (needs the tensorboard package)"
+        },
+    )
     checkpoint_every: int = field(
         default=0, metadata={"help": "steps between checkpoints (0: only the final one)"}
     )

@@ -24,18 +24,24 @@ __all__ = [
 class MetricsWriter:
     """Appends records to ``path``, each stamped with seconds since the writer started."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, mirror: Any = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = self.path.open("a", buffering=1)
         self._start = time.monotonic()
+        self._mirror = mirror
+        """Another sink that sees every record too (``TensorBoardMirror``), or None."""
 
     def write(self, kind: str, **values: Any) -> None:
         record = {"kind": kind, "time_s": round(time.monotonic() - self._start, 4), **values}
         self._handle.write(json.dumps(record) + "\n")
+        if self._mirror is not None:
+            self._mirror.write(kind, values)
 
     def close(self) -> None:
         self._handle.close()
+        if self._mirror is not None:
+            self._mirror.close()
 
 
 def append_records(path: str | Path, records: list[dict[str, Any]]) -> None:

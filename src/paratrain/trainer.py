@@ -64,6 +64,7 @@ from paratrain.runtime.external_job import check_job_devices, is_main_process
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
 from paratrain.runtime.signals import TerminationNotice
 from paratrain.runtime.units import parse_size
+from paratrain.tensorboard_log import TensorBoardMirror, check_tensorboard
 
 _TOKEN_MODELS = ("gpt",)
 _IMAGE_MODELS = ("lenet",)
@@ -121,6 +122,11 @@ def validate(config: TrainConfig, bundle: DatasetBundle | None = None) -> int:
             f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
         )
     check_data_dir(config)
+    if config.tensorboard:
+        try:
+            check_tensorboard()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     devices = config.devices or default_device_count()
     check_backend(config, devices)
     try:
@@ -274,6 +280,11 @@ def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any]:
         )
     check_dataset(config)
     check_data_dir(config)
+    if config.tensorboard:
+        try:
+            check_tensorboard()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     devices = config.devices or default_device_count()
     bundle = load_data(config)
     check_pairing(config, bundle)
@@ -496,7 +507,10 @@ def train_worker(
         if "data" in checkpoint.metadata:  # an imported checkpoint starts the data afresh
             train_loader.load_state_dict(checkpoint.metadata["data"])
         first = engine.steps_taken + 1
-    metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl") if lead else None
+    metrics = None
+    if lead:
+        mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
+        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror)
     if metrics:
         metrics.write(
             "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
