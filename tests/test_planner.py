@@ -18,6 +18,7 @@ import torch
 import paratrain
 from paratrain.parallel.cost_model import Line, Prediction, ledger_at_peak
 from paratrain.parallel.pipeline.cost import in_flight
+from paratrain.planner import measure
 from paratrain.planner.api import candidates
 from paratrain.planner.choose import MARGIN, Candidate, NoPlanFits, rank
 from paratrain.planner.measure import measure_model, measure_optimizer
@@ -316,3 +317,25 @@ def test_the_machines_figures_survive_their_json_file():
     assert from_json(to_json(machine)) == machine
     assert machine.reduce_scatter_s(1e6, 2) == machine.all_reduce_s(1e6, 2)  # none measured
     assert machine.all_reduce_s(1e6, 1) == 0.0  # a group of one sends nothing
+
+
+def test_a_slow_model_is_measured_at_sizes_one_run_of_which_fits_the_budget(monkeypatch):
+    """Doubling from 2 samples, a size is taken while twice its measured run stays within
+    SIZE_BUDGET_S; a fast model is measured at the sample's own size."""
+    clock = [0.0]
+    per_sample = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(measure, "SIZE_BUDGET_S", 2.0)
+    ran = []
+
+    def whole_run(size: int) -> None:
+        ran.append(size)
+        clock[0] += per_sample[0] * size
+
+    per_sample[0] = 0.3  # 2 samples: 0.6 s (x2 = 1.2, within); 4: 1.2 s (x2 = 2.4, over)
+    assert measure._affordable_size(whole_run, 64) == 4
+    assert ran == [2, 4]
+    per_sample[0] = 0.001
+    assert measure._affordable_size(whole_run, 64) == 64
+    assert measure._affordable_size(whole_run, 3) == 3
+    assert measure._affordable_size(whole_run, 1) == 1

@@ -61,6 +61,17 @@ from paratrain.parallel.tensor.plan import resolve_plan
 REPEATS = 3
 """Timed runs per layer and size (their median is kept), after one untimed run."""
 
+SIZE_BUDGET_S = 2.0
+"""The longest one forward and backward of the whole model may take at the larger size
+measured. Measuring runs the model some 18 times over per precision and tensor degree, so
+a large model on a large sample would take minutes (6.5 for ``paratrain plan --model gpt
+--n-embd 1024 --devices 8 --global-batch 64`` on 2 cores); above this the sizes stop
+short of the sample's (down to 1 and 2 samples) and the costs, lines in the micro-batch,
+are extrapolated along them to the sizes the plans give a worker. Bytes are exact lines;
+seconds per sample fall a little with the size (that gpt on one thread: 0.225 s per
+sample at 4, 0.217 at 64), so a time extrapolated from small sizes errs low (by 7% for
+that gpt from 4 and 8 samples to 64)."""
+
 
 def _bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_in(value))
@@ -174,6 +185,21 @@ def median_seconds(run: Callable[[], Any], repeats: int) -> float:
     return statistics.median(seconds)
 
 
+def _affordable_size(whole_run: Callable[[int], None], largest: int) -> int:
+    """The largest micro-batch up to ``largest`` whose one forward and backward of the
+    whole model takes at most ``SIZE_BUDGET_S`` (at least 2 where ``largest`` is, so that
+    two sizes give a line): doubling from 2, each probe run once, the first call's
+    one-off costs making it err small."""
+    size = min(2, largest)
+    while size < largest:
+        start = time.perf_counter()
+        whole_run(size)
+        if 2 * (time.perf_counter() - start) > SIZE_BUDGET_S:
+            break
+        size = min(2 * size, largest)
+    return size
+
+
 def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, repeats: int):
     """(forward seconds, forward and backward seconds) of ``layer`` on its recorded input."""
     args, kwargs = recorded
@@ -242,12 +268,11 @@ def measure_model(
     worker_threads: int | None = None,
 ) -> ModelCosts:
     """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
-    ``samples`` and half as many (``samples``: the sample's own size by default);
+    ``samples`` and half as many (``samples``: the sample's own size by default; smaller
+    where one run there would exceed ``SIZE_BUDGET_S``);
     ``split_plan`` is the ``setup`` keyword naming which layers split how."""
     inputs, targets = sample
     available = batch_size(inputs)
-    large = min(samples or available, available)
-    small = max(1, large // 2)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     subject = model if tensor == 1 else _split_copy(model, tensor, split_plan)
     listed = is_layer_list(subject)
@@ -256,6 +281,14 @@ def measure_model(
     device = next((p.device for p in subject.parameters()), torch.device("cpu"))
     points: dict[int, dict[str, Any]] = {}
     with _untouched(subject), threads(worker_threads):
+
+        def whole_run(size: int) -> None:
+            _Trace(subject, []).run(
+                _first(inputs, size), _first(targets, size), loss_fn, autocast_of(device)
+            )
+
+        large = _affordable_size(whole_run, min(samples or available, available))
+        small = max(1, large // 2)
         for size in sorted({small, large}):
             trace = _Trace(subject, layers)
             calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
@@ -269,12 +302,7 @@ def measure_model(
                 else (0.0, 0.0)
                 for i, layer in enumerate(layers)
             ]
-            whole = median_seconds(
-                lambda i=micro_in, t=micro_tgt: _Trace(subject, []).run(
-                    i, t, loss_fn, autocast_of(device)
-                ),
-                repeats,
-            )
+            whole = median_seconds(lambda size=size: whole_run(size), repeats)
             alone = sum(t[1] for t in times)
             if alone > 0:  # each layer's share of the whole model's forward and backward
                 scale = whole / alone
