@@ -16,6 +16,8 @@ import numbers
 from pathlib import Path
 from typing import Any
 
+from paratrain.config import ConfigError, TrainConfig
+
 __all__ = ["MIRRORED_KINDS", "TensorBoardMirror", "check_tensorboard", "tensorboard_dir"]
 
 MIRRORED_KINDS = ("train", "eval")
@@ -31,10 +33,11 @@ def tensorboard_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "tensorboard"
 
 
-def check_tensorboard() -> None:
-    """Refuse ``--tensorboard`` where the package that writes the files is missing."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(
+def check_tensorboard(config: TrainConfig) -> None:
+    """Refuse ``--tensorboard`` where the package that writes the files is missing, before
+    any worker starts (or the planner spends its time)."""
+    if config.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
             "--tensorboard needs the tensorboard package; install it with "
             "`pip install tensorboard` or drop --tensorboard."
         )

@@ -122,11 +122,7 @@ def validate(config: TrainConfig, bundle: DatasetBundle | None = None) -> int:
             f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
         )
     check_data_dir(config)
-    if config.tensorboard:
-        try:
-            check_tensorboard()
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    check_tensorboard(config)
     devices = config.devices or default_device_count()
     check_backend(config, devices)
     try:
@@ -280,11 +276,7 @@ def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any]:
         )
     check_dataset(config)
     check_data_dir(config)
-    if config.tensorboard:
-        try:
-            check_tensorboard()
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    check_tensorboard(config)
     devices = config.devices or default_device_count()
     bundle = load_data(config)
     check_pairing(config, bundle)

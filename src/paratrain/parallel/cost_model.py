@@ -223,9 +223,11 @@ class MachineCosts:
         return self._seconds(self.all_reduce, payload_bytes, group, messages)
 
     def reduce_scatter_s(self, payload_bytes: float, group: int, messages: float = 1.0) -> float:
+        """ZeRO's gradient collective; a machine file without it falls back on all-reduce."""
         return self._seconds(self.reduce_scatter or self.all_reduce, payload_bytes, group, messages)
 
     def all_gather_s(self, payload_bytes: float, group: int, messages: float = 1.0) -> float:
+        """ZeRO's parameter collective; a machine file without it falls back on all-reduce."""
         return self._seconds(self.all_gather or self.all_reduce, payload_bytes, group, messages)
 
     @staticmethod

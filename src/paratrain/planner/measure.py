@@ -64,7 +64,7 @@ REPEATS = 3
 SIZE_BUDGET_S = 2.0
 """The longest one forward and backward of the whole model may take at the larger size
 measured. Measuring runs the model some 18 times over per precision and tensor degree, so
-a large model on a large sample would take minutes (6.5 for ``paratrain plan --model gpt
+a large model on a large sample would take minutes (6.5 minutes for ``paratrain plan --model gpt
 --n-embd 1024 --devices 8 --global-batch 64`` on 2 cores); above this the sizes stop
 short of the sample's (down to 1 and 2 samples) and the costs, lines in the micro-batch,
 are extrapolated along them to the sizes the plans give a worker. Bytes are exact lines;
