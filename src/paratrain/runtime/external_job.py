@@ -12,6 +12,7 @@ copies. ``is_main_process()`` says where once-per-job work (saving, printing) be
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -66,8 +67,16 @@ def run_in_external_job(
     resolve_backend: Callable[[str, int], str],
 ) -> list[Any]:
     """Join the job's process group (if the script has not), run ``fn`` here, and gather
-    the values to rank 0 as the module docstring says."""
-    if not dist.is_initialized():
+    the values to rank 0 as the module docstring says.
+
+    A group this function created is destroyed before it returns, after every rank has
+    its values: left to interpreter exit, gloo's worker threads are torn down with the
+    interpreter and the process can die of SIGABRT ("terminate called without an active
+    exception") after its work is done. A group the script created is the script's to
+    destroy. Nothing is destroyed when ``fn`` raises: a rank that failed must not wait in
+    a collective teardown on ranks that are still training."""
+    owned = not dist.is_initialized()
+    if owned:
         world = job_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         resolved = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -78,6 +87,12 @@ def run_in_external_job(
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(value, gathered, dst=0)
+    if owned:
+        # The engine ``fn`` built sits in reference cycles (its hooks close over it) that
+        # hold its subgroups; collected now, they are freed with the interpreter alive.
+        gc.collect()
+        dist.barrier()  # no rank leaves while another is still receiving
+        dist.destroy_process_group()
     if rank == 0:
         return gathered
     own: list[Any] = [None] * world
