@@ -38,3 +38,6 @@ def worker() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(paratrain.launch(worker)), flush=True)  # a list on every rank
+    # The group launch created is gone before exit (gloo's threads torn down with the
+    # interpreter can abort a finished process).
+    assert not torch.distributed.is_initialized(), "launch left its process group behind"
