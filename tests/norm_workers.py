@@ -231,17 +231,16 @@ def ddp_and_engines(optimizer: str, cases: list[tuple[str, dict[str, Any]]]) -> 
     }
 
 
-def pipeline_recompute_setup() -> None:
-    """``setup`` of the BatchNorm model under pipeline with recompute (it must refuse)."""
+def bn_setup(strategy: str, options: dict[str, Any]) -> None:
+    """``setup`` of the BatchNorm model under ``strategy`` (a test expects it to refuse)."""
     import paratrain
 
     paratrain.setup(
         bn_model(),
         optimizer=parity_optimizer("sgd"),
         loss_fn=nn.functional.cross_entropy,
-        strategy="pipeline",
-        stages=2,
-        recompute=True,
+        strategy=strategy,
+        **options,
     )
 
 
@@ -263,16 +262,3 @@ def pipeline_bn_run(optimizer: str) -> dict[str, Any]:
     eval_loss = engine.eval_step(*bn_eval_batch())
     buffers = {name: b.clone() for name, b in engine.model.named_buffers()}
     return {"buffers": buffers, "eval": eval_loss, "state": engine.state_dict()}
-
-
-def ps_setup() -> None:
-    """``setup`` of the BatchNorm model under synchronous ps (it must refuse)."""
-    import paratrain
-
-    paratrain.setup(
-        bn_model(),
-        optimizer=parity_optimizer("sgd"),
-        loss_fn=nn.functional.cross_entropy,
-        strategy="ps",
-        staleness=0,
-    )

@@ -123,4 +123,4 @@ def test_ps_refuses_batchnorm_statistics_before_any_worker_starts():
 @pytest.mark.slow
 def test_ps_setup_refuses_batchnorm_statistics():
     with pytest.raises(WorkerError, match=PS_REFUSAL):
-        paratrain.launch(norm_workers.ps_setup, devices=2)
+        paratrain.launch(norm_workers.bn_setup, devices=2, args=("ps", {"staleness": 0}))

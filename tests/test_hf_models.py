@@ -24,6 +24,7 @@ import pytest
 import paratrain
 from paratrain.losses import causal_lm_cross_entropy
 from tests import hf_workers
+from tests.readme_examples import run_readme_example
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 pytest.importorskip("transformers", reason="the dev extra installs transformers")
@@ -54,6 +55,16 @@ def plain_loop(kind: str, opt: str, parts: int = 1) -> tuple[dict, list[float]]:
         optimizer.step()
         losses.append(float(loss))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def assert_each_run_matches(runs: list, results: list, references: dict) -> None:
+    """Each run's final state and per-step losses against its model kind's reference
+    (``run[1]``), within the parity bar."""
+    for run, (state, losses) in zip(runs, results, strict=True):
+        reference, reference_losses = references[run[1]]
+        error = relative_error(state, reference)
+        assert error <= TOLERANCE, (run, error)
+        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), run
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -124,11 +135,7 @@ def test_gradient_checkpointing_enable_trains_as_the_plain_loop_under_every_engi
     ]
     results = paratrain.launch(hf_workers.train_checkpointed, devices=2, args=(runs,))
     references = {kind: plain_loop(kind, "sgd") for kind in ("gpt2", "llama")}
-    for run, (state, losses) in zip(runs, results[0], strict=True):
-        reference, reference_losses = references[run[1]]
-        error = relative_error(state, reference)
-        assert error <= TOLERANCE, (run, error)
-        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), run
+    assert_each_run_matches(runs, results[0], references)
 
 
 @pytest.mark.slow
@@ -151,11 +158,7 @@ def test_every_engine_trains_hugging_face_models_at_4_workers():
     ]
     results = paratrain.launch(hf_workers.train_all, devices=4, args=(runs,))
     references = {"gpt2": plain_loop("gpt2", "adam", 4), "llama": plain_loop("llama", "sgd")}
-    for run, (state, losses) in zip(runs, results[0], strict=True):
-        reference, reference_losses = references[run[1]]
-        error = relative_error(state, reference)
-        assert error <= TOLERANCE, (run, error)
-        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), run
+    assert_each_run_matches(runs, results[0], references)
 
 
 @pytest.mark.slow
@@ -164,28 +167,7 @@ def test_readme_example_runs_as_printed(tmp_path):
     schedule, clipping, the checkpoint loaded into a fresh GPT2LMHeadModel), run as it is
     printed there, prints the line the README says it prints, and nothing on stderr but
     what torch itself may say."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text()
-    found = re.search(r"<!-- readme-example: my_gpt2.py -->\n```python\n(.*?)```", text, re.S)
-    assert found, "README.md lost its marked my_gpt2.py example"
-    printed = re.search(r"```\n\nprints `(.*?)`", text[found.end() - 3 :]).group(1)
-    (tmp_path / "my_gpt2.py").write_text(found.group(1))
-    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root}"}
-    completed = subprocess.run(
-        [sys.executable, "my_gpt2.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+    completed, printed = run_readme_example("my_gpt2.py", tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip() == printed
     assert "[transformers]" not in completed.stderr, completed.stderr[-3000:]

@@ -38,4 +38,6 @@ def test_check_run_refuses_batchnorm_with_recompute():
 @pytest.mark.slow
 def test_setup_refuses_batchnorm_with_recompute():
     with pytest.raises(WorkerError, match=MESSAGE):
-        paratrain.launch(norm_workers.pipeline_recompute_setup, devices=2)
+        paratrain.launch(
+            norm_workers.bn_setup, devices=2, args=("pipeline", {"stages": 2, "recompute": True})
+        )

@@ -8,7 +8,6 @@ one: locally, under ``torchrun --standalone``, and as two torchrun "nodes" on 12
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -18,27 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.readme_examples import ROOT, example_env, readme_example
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
 
 
 def _run(command: list[str], cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(), check=False
+        command,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=example_env(),
+        check=False,
     )
-
-
-def _readme_example(tmp_path: Path) -> Path:
-    text = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- readme-example: train.py -->\n```python\n(.*?)```", text, re.S)
-    assert found, "README.md lost its marked train.py example"
-    script = tmp_path / "train.py"
-    script.write_text(found.group(1))
-    return script
 
 
 def _free_port() -> int:
@@ -85,7 +78,7 @@ def test_launch_inside_torchrun_runs_the_worker_in_each_process():
 
 @pytest.mark.slow
 def test_readme_example_runs_as_printed_locally_and_under_torchrun(tmp_path):
-    script = _readme_example(tmp_path)
+    script = readme_example("train.py", tmp_path)
     local = tmp_path / "local"
     local.mkdir()
     completed = _run([sys.executable, str(script)], cwd=local)
@@ -99,7 +92,7 @@ def test_readme_example_runs_as_printed_locally_and_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_readme_example_runs_as_two_torchrun_nodes_on_one_host(tmp_path):
-    script = _readme_example(tmp_path)
+    script = readme_example("train.py", tmp_path)
     port = str(_free_port())
 
     def node(rank: int) -> list[str]:
@@ -111,7 +104,7 @@ def test_readme_example_runs_as_two_torchrun_nodes_on_one_host(tmp_path):
         ]  # fmt: skip
 
     second = subprocess.Popen(
-        node(1), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        node(1), cwd=tmp_path, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
         first = _run(node(0), tmp_path)

@@ -16,12 +16,6 @@ same 1e-5 relative.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -32,6 +26,7 @@ from paratrain.parallel import RunSpec, strategy_class
 from paratrain.parallel.tensor.plan import resolve_plan
 from paratrain.parallel.tensor.shards import ShardSpec
 from tests import tp_workers
+from tests.readme_examples import run_readme_example
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 CASES = [
@@ -174,22 +169,7 @@ def test_checkpoints_load_tp_into_single_and_dp_and_single_into_tp(tmp_path):
 
 @pytest.mark.slow
 def test_readme_example_runs_as_printed(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text()
-    found = re.search(r"<!-- readme-example: tp_example.py -->\n```python\n(.*?)```", text, re.S)
-    assert found, "README.md lost its marked tp_example.py example"
-    printed = re.search(r"```\n\nprints `(.*?)`", text[found.end() - 3 :]).group(1)
-    (tmp_path / "tp_example.py").write_text(found.group(1))
-    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root}"}
-    completed = subprocess.run(
-        [sys.executable, "tp_example.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+    completed, printed = run_readme_example("tp_example.py", tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip() == printed
 
