@@ -93,8 +93,8 @@ def test_no_import_circles():
     ("layer", "forbidden"),
     [
         ("paratrain.runtime", ("paratrain.parallel", "paratrain.models", "paratrain.data")),
-        ("paratrain.parallel", ("paratrain.trainer", "paratrain.config", "paratrain.cli")),
-        ("paratrain.models", ("paratrain.parallel", "paratrain.trainer", "paratrain.runtime")),
+        ("paratrain.parallel", ("paratrain.run.fit", "paratrain.config", "paratrain.cli")),
+        ("paratrain.models", ("paratrain.parallel", "paratrain.run.fit", "paratrain.runtime")),
     ],
 )
 def test_imports_point_downward(layer, forbidden):

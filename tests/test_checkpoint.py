@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from paratrain.checkpoint import (
+from paratrain.checkpoints.format import (
     Checkpoint,
     CheckpointError,
     load_model_state,
@@ -40,7 +40,7 @@ def test_saving_again_replaces_the_folder_and_leaves_no_temporary(tmp_path):
 
 def test_a_crash_mid_save_leaves_the_old_checkpoint_intact(tmp_path, monkeypatch):
     save_model_state(tmp_path / "ckpt", sample_state())
-    import paratrain.checkpoint as module
+    import paratrain.checkpoints.format as module
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed while writing")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.checkpoint import Checkpoint, load_model_state
+from paratrain.checkpoints.format import Checkpoint, load_model_state
 from tests import workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import save_model_state
+from paratrain.checkpoints.format import save_model_state
 from paratrain.cli import main
 from paratrain.config import TrainConfig, as_dict
 from paratrain.models import build_model
-from paratrain.preflight import time_sharing_warning
+from paratrain.run.preflight import time_sharing_warning
 
 
 @pytest.fixture(autouse=True)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.checkpoint import load_model_state, read_manifest
+from paratrain.checkpoints.format import load_model_state, read_manifest
 from paratrain.models import build_model
 from paratrain.parallel.ps import ParameterServerEngine, shared_memory
 from paratrain.parallel.ps.shared_memory import resolve_transport
-from paratrain.report import read_metrics
+from paratrain.reports.metrics_file import read_metrics
 from tests.test_cli_train import SHARED_DATA, run_cli
 
 MLP = ["--model", "mlp", "--dataset", "synthetic", "--hidden", "32", "--depth", "1"]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import load_model_state
+from paratrain.checkpoints.format import load_model_state
 from paratrain.cli import main
 from paratrain.models import build_model
-from paratrain.report import read_metrics
+from paratrain.reports.metrics_file import read_metrics
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

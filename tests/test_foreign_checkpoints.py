@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import paratrain
-from paratrain.checkpoint import Checkpoint, CheckpointError, save_model_state
+from paratrain.checkpoints.format import Checkpoint, CheckpointError, save_model_state
 from paratrain.cli import main
 from paratrain.models import build_model
 from paratrain.parallel.ties import tied_names
@@ -47,7 +47,7 @@ def test_a_wrapped_models_file_loads_into_the_plain_model(tmp_path, prefix, suff
 
 
 def test_wrapper_segments_inside_names_are_stripped():
-    from paratrain.model_state import strip_wrappers
+    from paratrain.checkpoints.model_state import strip_wrappers
 
     assert strip_wrappers("encoder._fsdp_wrapped_module.layer.weight") == "encoder.layer.weight"
     assert strip_wrappers("module.block._checkpoint_wrapped_module.w") == "block.w"

@@ -7,7 +7,7 @@ import pytest
 
 import paratrain
 from paratrain.config import ConfigError, TrainConfig
-from paratrain.lr_schedule import lr_factor
+from paratrain.run.lr_schedule import lr_factor
 from tests import schedule_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
@@ -48,7 +48,7 @@ def test_a_scheduler_drives_every_engine_as_it_drives_one_device(optimizer):
 @pytest.mark.slow
 def test_the_command_line_warms_up_and_decays(tmp_path, capsys):
     """Rates logged at every step follow warmup then cosine, under ps (whose servers follow)."""
-    from paratrain.report import read_metrics
+    from paratrain.reports.metrics_file import read_metrics
     from tests.test_cli_train import run_cli
 
     run_dir = tmp_path / "run"

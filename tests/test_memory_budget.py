@@ -17,7 +17,7 @@ import paratrain
 from paratrain.models import build_model, count_parameters
 from paratrain.parallel import strategy_names
 from paratrain.parallel.fit_advice import fitting_strategy
-from paratrain.report import read_metrics
+from paratrain.reports.metrics_file import read_metrics
 from paratrain.runtime.ledger import DeviceOutOfMemory
 from paratrain.runtime.units import format_bytes
 from tests import workers

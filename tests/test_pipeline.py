@@ -180,6 +180,6 @@ def test_cli_pipeline_run_then_report_draws_the_timeline(tmp_path, capsys):
 
 
 def paratrain_checkpoint(run_dir):
-    from paratrain.checkpoint import load_model_state
+    from paratrain.checkpoints.format import load_model_state
 
     return load_model_state(run_dir / "final")

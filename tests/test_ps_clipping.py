@@ -11,8 +11,8 @@ import paratrain
 from paratrain.config import TrainConfig
 from paratrain.models import loss_for
 from paratrain.parallel.batching import take_share
-from paratrain.report import read_metrics
-from paratrain.trainer import ConfigError, validate
+from paratrain.reports.metrics_file import read_metrics
+from paratrain.run.fit import ConfigError, validate
 from tests import clip_workers, ps_clip_workers, workers
 from tests.test_cli_ps import MLP
 from tests.test_cli_train import run_cli

@@ -11,11 +11,11 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.parallel.ps.shared_memory import resolve_transport
-from paratrain.report import read_metrics
-from paratrain.report_compare import compare_rows, format_compare
-from paratrain.report_data import load_run
-from paratrain.report_plot import PANEL_TITLES, draw_runs
-from paratrain.report_text import memory_line, summarize_run
+from paratrain.reports.metrics_file import read_metrics
+from paratrain.reports.compare import compare_rows, format_compare
+from paratrain.reports.run_data import load_run
+from paratrain.reports.plot import PANEL_TITLES, draw_runs
+from paratrain.reports.text import memory_line, summarize_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 HIDDEN, DEPTH, INPUTS, CLASSES = 32, 1, 784, 10

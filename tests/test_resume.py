@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.checkpoint import Checkpoint, load_model_state
+from paratrain.checkpoints.format import Checkpoint, load_model_state
 from paratrain.cli import main
 from tests.test_parity_dp import TOLERANCE, relative_error
 

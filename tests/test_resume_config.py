@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import Checkpoint, save_model_state
+from paratrain.checkpoints.format import Checkpoint, save_model_state
 from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.models import build_model
-from paratrain.report import read_metrics
-from paratrain.report_data import load_run
-from paratrain.report_text import summarize_run
-from paratrain.resume import run_dir_of, settle_failed_run
-from paratrain.resume_config import resume_config
+from paratrain.reports.metrics_file import read_metrics
+from paratrain.reports.run_data import load_run
+from paratrain.reports.text import summarize_run
+from paratrain.run.resume import run_dir_of, settle_failed_run
+from paratrain.run.resume_config import resume_config
 from paratrain.runtime.launch import WorkerError
 from tests.test_parity_dp import relative_error
 

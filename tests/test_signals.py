@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.checkpoint import save_model_state
+from paratrain.checkpoints.format import save_model_state
 from paratrain.config import ConfigError, TrainConfig, build_config
 from paratrain.parallel import RunSpec, declared_options, strategy_class, strategy_names
 from paratrain.parallel.fit_advice import ranked_strategies
 from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.strategy import engine_options
-from paratrain.resume_config import resume_config
-from paratrain.trainer import validate
+from paratrain.run.resume_config import resume_config
+from paratrain.run.fit import validate
 
 
 @pytest.mark.parametrize("name", strategy_names())

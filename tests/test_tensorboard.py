@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.report import read_metrics
-from paratrain.tensorboard_log import tensorboard_dir
+from paratrain.reports.metrics_file import read_metrics
+from paratrain.reports.tensorboard_log import tensorboard_dir
 
 pytest.importorskip("tensorboard", reason="--tensorboard writes through the tensorboard package")
 from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import paratrain
-from paratrain.checkpoint import Checkpoint, load_model_state
+from paratrain.checkpoints.format import Checkpoint, load_model_state
 from paratrain.cli import main
 from paratrain.models import build_model, count_parameters, gpt_parameter_count
 from tests import tie_workers
@@ -93,11 +93,11 @@ def test_ckpt_inspect_and_export_a_tied_checkpoint(tmp_path, capsys):
 
 def test_a_checkpoint_holding_two_values_for_a_tie_is_refused(tmp_path):
     """An untied model's checkpoint cannot load into the tied model silently."""
-    from paratrain.checkpoint import CheckpointError
+    from paratrain.checkpoints.format import CheckpointError
 
     engine = tie_workers.tied_engine("single", "gpt", "sgd")
     untied = build_model("gpt", vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    from paratrain.checkpoint import save_model_state
+    from paratrain.checkpoints.format import save_model_state
 
     save_model_state(tmp_path / "u", {k: v.clone() for k, v in untied.state_dict().items()})
     with pytest.raises(CheckpointError, match="which this model ties"):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.parallel import RunSpec, strategy_class
 from paratrain.parallel.tensor.plan import resolve_plan
 from paratrain.parallel.tensor.shards import ShardSpec

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.models import loss_for
 from tests import workers, zero_workers
 from tests.test_parity_dp import TOLERANCE, relative_error

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.models import build_model, count_parameters
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.shards import FlatUnit, ZeroLayoutError
@@ -194,7 +194,7 @@ def test_mixed_precision_agrees_with_dp_and_ledger_leaves_out_gathered_parameter
 @pytest.mark.parametrize("strategy", zero_workers.STAGES)
 def test_trainer_refuses_an_uneven_batch_before_starting_workers(strategy):
     from paratrain.config import TrainConfig
-    from paratrain.trainer import ConfigError, validate
+    from paratrain.run.fit import ConfigError, validate
 
     config = TrainConfig(model="mlp", strategy=strategy, devices=4, global_batch=10)
     with pytest.raises(ConfigError, match="does not split evenly over 4 replica"):

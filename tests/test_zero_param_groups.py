@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.parallel.zero.groups import learn_groups
 from tests import zero_group_workers as groups
 from tests.test_parity_dp import TOLERANCE, relative_error

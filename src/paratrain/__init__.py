@@ -6,8 +6,8 @@ best = paratrain.plan(model, devices=4, global_batch=64, memory_per_device="16Gi
 """
 
 from paratrain.api import setup
-from paratrain.checkpoint import CheckpointError
-from paratrain.model_state import load_model_state
+from paratrain.checkpoints.format import CheckpointError
+from paratrain.checkpoints.model_state import load_model_state
 from paratrain.parallel import BatchSplitError, Engine, StepStats, strategy_names
 from paratrain.planner import NoPlanFits, Plan, plan, predict
 from paratrain.runtime import WorkerError, is_main_process, launch

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.data import DATASETS
-from paratrain.lr_schedule import SCHEDULES
 from paratrain.models import MODEL_NAMES
 from paratrain.parallel import (
     declared_options,
@@ -32,6 +31,9 @@ from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.precision import PRECISIONS
 from paratrain.runtime.launch import BACKENDS
 from paratrain.runtime.units import parse_size
+
+SCHEDULES = ("constant", "cosine", "linear")
+"""The learning-rate schedules (``--lr-schedule``); ``run/lr_schedule.py`` computes them."""
 
 if sys.version_info >= (3, 11):
     import tomllib

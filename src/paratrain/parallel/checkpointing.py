@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from paratrain.checkpoint import (
+from paratrain.checkpoints.format import (
     Checkpoint,
     CheckpointError,
     alias_entry,

@@ -6,7 +6,7 @@ Parameter (``model.lm_head.weight = model.wte.weight``). ``model.parameters()`` 
 order; ``state_dict()`` gives it under every name. paratrain uses that first name as the
 canonical one everywhere a name keys state (optimizer state, flat ZeRO units, checkpoint
 files) and records the others as aliases of it: a checkpoint stores the tensor once and
-lists the aliases in its manifest (``paratrain.checkpoint``).
+lists the aliases in its manifest (``paratrain.checkpoints.format``).
 """
 
 from __future__ import annotations

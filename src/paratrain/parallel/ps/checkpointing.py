@@ -1,6 +1,6 @@
 """Checkpoints of a ps run: the servers write and read their own shards.
 
-The format is the one every engine writes (``paratrain.checkpoint``), so a ps checkpoint
+The format is the one every engine writes (``paratrain.checkpoints.format``), so a ps checkpoint
 loads into any engine and any checkpoint loads into ps, by canonical name. What differs
 is who writes: each server writes its parameters and optimizer state as
 ``model-<server>``/``optim-<server>``, and one worker writes the rest (its buffers, its
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint import (
+from paratrain.checkpoints.format import (
     Checkpoint,
     CheckpointError,
     alias_entry,

@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.checkpoint import Checkpoint, CheckpointError, write_shard
+from paratrain.checkpoints.format import Checkpoint, CheckpointError, write_shard
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.parallel.ps import jobkeys
 from paratrain.parallel.ps.backup import quorum

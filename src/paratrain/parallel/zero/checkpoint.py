@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.parallel.checkpointing import ShardedCheckpointState
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.parallel.zero.groups import ParamGroups

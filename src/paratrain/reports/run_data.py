@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratrain.report import read_metrics
+from paratrain.reports.metrics_file import read_metrics
 
 __all__ = ["RunMetrics", "load_run"]
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.config import ConfigError
-from paratrain.file_modes import match_umask
-from paratrain.report import format_bytes
+from paratrain.checkpoints.file_modes import match_umask
+from paratrain.reports.metrics_file import format_bytes
 
 
 def _open(path: str) -> Checkpoint:
-    from paratrain.run_checkpoints import find_checkpoint
+    from paratrain.checkpoints.locate import find_checkpoint
 
     return Checkpoint(find_checkpoint(path))
 

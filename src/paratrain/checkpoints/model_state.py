@@ -24,9 +24,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from paratrain.checkpoint import MANIFEST, Checkpoint, CheckpointError
+from paratrain.checkpoints.format import MANIFEST, Checkpoint, CheckpointError
 from paratrain.parallel.ties import tied_names
-from paratrain.run_checkpoints import latest_checkpoint
+from paratrain.checkpoints.locate import latest_checkpoint
 
 STATE_SUFFIXES = (".pt", ".pth", ".bin")
 """Files read as ``torch.save``d state dicts (``.bin`` is Hugging Face's name)."""

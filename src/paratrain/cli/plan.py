@@ -18,7 +18,7 @@ from paratrain.planner.choose import format_table
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from paratrain.trainer import plan_run
+    from paratrain.run.fit import plan_run
 
     file_values = load_toml(args.config) if args.config else {}
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}

@@ -13,15 +13,15 @@ from dataclasses import MISSING, Field, fields, replace
 from pathlib import Path
 
 from paratrain import __version__
-from paratrain.checkpoint import CheckpointError
+from paratrain.checkpoints.format import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
 from paratrain.parallel import strategy_class, strategy_names
 from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
-from paratrain.report import format_bytes
-from paratrain.report_compare import compare_rows, format_compare
-from paratrain.report_data import RunMetrics, load_run
-from paratrain.report_plot import draw_runs
-from paratrain.report_text import summarize_run
+from paratrain.reports.metrics_file import format_bytes
+from paratrain.reports.compare import compare_rows, format_compare
+from paratrain.reports.run_data import RunMetrics, load_run
+from paratrain.reports.plot import draw_runs
+from paratrain.reports.text import summarize_run
 from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "source", help="a .pt/.pth/.bin state dict, a .safetensors file, or a checkpoint folder"
     )
     imported.add_argument("out", help="the checkpoint folder to write")
-    from paratrain.checkpoint_import import IMPORT_FIELDS
+    from paratrain.checkpoints.importing import IMPORT_FIELDS
 
     _add_config_flags(imported, only=IMPORT_FIELDS)
     return parser
@@ -199,7 +199,7 @@ def format_summary(result) -> str:
     lines += _per_worker("comm buffers peak", [_peak(m, "communication") for m in result.memory])
     lines += _per_worker("ledger peak", [m.get("peak_total") for m in result.memory])
     if result.plan is not None:
-        from paratrain.auto_plan import measured_lines
+        from paratrain.run.auto_plan import measured_lines
 
         peaks = [m.get("peak_total") for m in result.memory]
         lines += measured_lines(result.plan, peaks, result.samples_per_s)
@@ -213,8 +213,8 @@ def format_summary(result) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from paratrain.resume_config import resume_config
-    from paratrain.trainer import fit
+    from paratrain.run.resume_config import resume_config
+    from paratrain.run.fit import fit
 
     file_values = load_toml(args.config) if args.config else {}
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
@@ -309,12 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "plan":
-            from paratrain.plan_cli import plan_command
+            from paratrain.cli.plan import plan_command
 
             return plan_command(args)
         if args.command == "ckpt":
-            from paratrain.checkpoint_cli import export_command, inspect_command
-            from paratrain.checkpoint_import import import_command
+            from paratrain.cli.ckpt import export_command, inspect_command
+            from paratrain.checkpoints.importing import import_command
 
             commands = {
                 "inspect": inspect_command,

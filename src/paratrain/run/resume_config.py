@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from paratrain.checkpoint import read_manifest
+from paratrain.checkpoints.format import read_manifest
 from paratrain.config import (
     ConfigError,
     TrainConfig,
@@ -33,7 +33,7 @@ from paratrain.config import (
     refuse_foreign_flags,
 )
 from paratrain.parallel import declared_options
-from paratrain.run_checkpoints import find_checkpoint
+from paratrain.checkpoints.locate import find_checkpoint
 
 MODEL_FIELDS = (
     "model",

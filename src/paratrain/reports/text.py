@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from paratrain.parallel import strategy_class, strategy_names
-from paratrain.report_data import RunMetrics
+from paratrain.reports.run_data import RunMetrics
 from paratrain.runtime.units import format_bytes
 
 __all__ = ["summarize_run"]

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from paratrain.checkpoint import CheckpointError, save_model_state
+from paratrain.checkpoints.format import CheckpointError, save_model_state
 from paratrain.config import ConfigError, build_config
-from paratrain.model_state import load_model_state, strip_wrappers
+from paratrain.checkpoints.model_state import load_model_state, strip_wrappers
 from paratrain.parallel.ties import tied_names
-from paratrain.resume_config import MODEL_FIELDS, saved_config
-from paratrain.run_checkpoints import find_checkpoint
+from paratrain.run.resume_config import MODEL_FIELDS, saved_config
+from paratrain.checkpoints.locate import find_checkpoint
 
 IMPORT_FIELDS = (*MODEL_FIELDS, "data_dir")
 """The flags ``ckpt import`` takes: the model, and the dataset that sizes it."""
@@ -32,7 +32,7 @@ IMPORT_FIELDS = (*MODEL_FIELDS, "data_dir")
 
 def import_command(args: argparse.Namespace) -> int:
     from paratrain.models import MODEL_NAMES, build_model
-    from paratrain.trainer import check_pairing, load_data, model_options
+    from paratrain.run.fit import check_pairing, load_data, model_options
 
     source = Path(args.source)
     given = {name: getattr(args, name) for name in IMPORT_FIELDS}

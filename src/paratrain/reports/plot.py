@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from paratrain.report_data import RunMetrics
+from paratrain.reports.run_data import RunMetrics
 
 __all__ = ["PANEL_TITLES", "draw_runs"]
 

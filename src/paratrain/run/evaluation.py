@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from paratrain.data import GlobalBatchLoader, batches, whole_split
-from paratrain.metrics import ClassificationSums, TokenSums
+from paratrain.run.metrics import ClassificationSums, TokenSums
 from paratrain.parallel.metric_tally import IGNORE_INDEX, Tally
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from paratrain.checkpoint import Checkpoint
+from paratrain.checkpoints.format import Checkpoint
 from paratrain.config import AUTO, ConfigError, TrainConfig, as_dict
 from paratrain.data import (
     ChecksumError,
@@ -32,21 +32,21 @@ from paratrain.data import (
     batches,
     build_dataset,
 )
-from paratrain.evaluation import evaluate, running_accuracy
-from paratrain.lr_schedule import lr_factor, set_learning_rate
-from paratrain.metrics import metric_for
+from paratrain.run.evaluation import evaluate, running_accuracy
+from paratrain.run.lr_schedule import lr_factor, set_learning_rate
+from paratrain.run.metrics import metric_for
 from paratrain.models import MODEL_NAMES, build_model, loss_for
 from paratrain.parallel import RunSpec, strategy_class, strategy_names
 from paratrain.parallel.fit_advice import advice
 from paratrain.parallel.strategy import RecordsTimeline
-from paratrain.preflight import (
+from paratrain.run.preflight import (
     check_backend,
     check_data_dir,
     check_dataset,
     time_sharing_warning,
 )
-from paratrain.report import MetricsWriter, append_records, format_bytes
-from paratrain.resume import (
+from paratrain.reports.metrics_file import MetricsWriter, append_records, format_bytes
+from paratrain.run.resume import (
     check_resumable,
     checkpoint_metadata,
     inject_fault,
@@ -56,15 +56,15 @@ from paratrain.resume import (
     run_dir_of,
     settle_failed_run,
 )
-from paratrain.run_checkpoints import find_checkpoint
-from paratrain.run_length import RunLength, eval_batches, evaluates_at, run_length
+from paratrain.checkpoints.locate import find_checkpoint
+from paratrain.run.length import RunLength, eval_batches, evaluates_at, run_length
 from paratrain.runtime import comm
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.external_job import check_job_devices, is_main_process
 from paratrain.runtime.launch import LostWorker, default_device_count, in_external_job
 from paratrain.runtime.signals import TerminationNotice
 from paratrain.runtime.units import parse_size
-from paratrain.tensorboard_log import TensorBoardMirror, check_tensorboard
+from paratrain.reports.tensorboard_log import TensorBoardMirror, check_tensorboard
 
 _TOKEN_MODELS = ("gpt",)
 _IMAGE_MODELS = ("lenet",)
@@ -263,7 +263,7 @@ def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any]:
     """``--strategy auto`` and ``paratrain plan``: the planner's choice, made in this process
     before any worker starts (``auto_plan``), and the config as if its flags had named it.
     Raises ``NoPlanFits`` where nothing fits (a ``ValueError`` that names the smallest)."""
-    from paratrain.auto_plan import planned_config
+    from paratrain.run.auto_plan import planned_config
 
     if in_external_job():
         raise ConfigError(
@@ -377,7 +377,7 @@ def fit(config: TrainConfig) -> RunResult:
         and is_main_process()
         and result.preempted_at is None
     ):
-        from paratrain.sampling import sample_text
+        from paratrain.run.sampling import sample_text
 
         result.sample_text = sample_text(
             config, bundle, result.checkpoint, model_options(config, bundle)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint import load_model_state
+from paratrain.checkpoints.format import load_model_state
 from paratrain.config import TrainConfig
 from paratrain.data import DatasetBundle
 from paratrain.models import build_model, generate

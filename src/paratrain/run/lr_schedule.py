@@ -13,7 +13,7 @@ import math
 
 import torch
 
-SCHEDULES = ("constant", "cosine", "linear")
+from paratrain.config import SCHEDULES
 
 
 def lr_factor(schedule: str, step: int, *, total_steps: int, warmup_steps: int = 0) -> float:

@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paratrain.file_modes import match_umask
+from paratrain.checkpoints.file_modes import match_umask
 
 FORMAT_NAME = "paratrain-checkpoint"
 FORMAT_VERSION = 2

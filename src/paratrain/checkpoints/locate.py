@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain.checkpoint import MANIFEST, read_manifest
+from paratrain.checkpoints.format import MANIFEST, read_manifest
 from paratrain.config import ConfigError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.report_data import RunMetrics
+from paratrain.reports.run_data import RunMetrics
 
 __all__ = ["CompareRow", "compare_rows", "format_compare"]
 
