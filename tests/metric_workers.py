@@ -8,9 +8,9 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.data import GlobalBatchLoader
+from paratrain.models.mlp import mlp
 from paratrain.run.evaluation import evaluate
 from paratrain.run.metrics import ClassificationSums
-from paratrain.models.mlp import mlp
 
 FEATURES, CLASSES = 12, 5
 

@@ -22,7 +22,8 @@ from paratrain.config import ConfigError, build_config
 from paratrain.data import DATASETS
 from paratrain.data.idx import write_idx
 from paratrain.models import MODEL_NAMES
-from paratrain.run.fit import check_pairing, load_data
+from paratrain.run.build import load_data
+from paratrain.run.preflight import check_pairing
 
 ACCEPTED = [
     ("mlp", "fashion_mnist"),

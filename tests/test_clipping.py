@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.config import TrainConfig
+from paratrain.config import ConfigError, TrainConfig
 from paratrain.models import loss_for
-from paratrain.run.fit import ConfigError
 from tests import clip_workers, tie_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
@@ -109,7 +108,7 @@ def test_every_engine_clips_by_the_global_norm():
 
 
 def test_the_command_line_passes_the_bound_to_the_engine():
-    from paratrain.run.fit import strategy_options
+    from paratrain.run.build import strategy_options
 
     config = TrainConfig(model="mlp", strategy="zero2", max_grad_norm=1.5)
     assert strategy_options(config, bundle=None)["max_grad_norm"] == 1.5

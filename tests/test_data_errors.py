@@ -20,7 +20,7 @@ from paratrain.cli import main
 from paratrain.config import build_config
 from paratrain.data import download, fetch
 from paratrain.data.fashion_mnist import FASHION_MNIST_MD5
-from paratrain.run.fit import load_data
+from paratrain.run.build import load_data
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 20
 

@@ -19,11 +19,11 @@ from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig, build_config
 from paratrain.data import whole_split
 from paratrain.losses import token_cross_entropy
-from paratrain.run.metrics import ClassificationSums
 from paratrain.parallel.metric_tally import ObservedLoss
 from paratrain.reports.metrics_file import read_metrics
+from paratrain.run.build import make_optimizer
 from paratrain.run.length import eval_batches, evaluates_at, run_length
-from paratrain.run.fit import make_optimizer
+from paratrain.run.metrics import ClassificationSums
 from tests import metric_workers
 
 LOSS_REL = 1e-5  # derived in the module docstring

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.config import TrainConfig
+from paratrain.config import ConfigError, TrainConfig
 from paratrain.models import loss_for
 from paratrain.parallel.batching import take_share
 from paratrain.reports.metrics_file import read_metrics
-from paratrain.run.fit import ConfigError, validate
+from paratrain.run.preflight import check_config
 from tests import clip_workers, ps_clip_workers, workers
 from tests.test_cli_ps import MLP
 from tests.test_cli_train import run_cli
@@ -110,7 +110,7 @@ def test_backup_workers_refuse_clipping_before_workers_start():
         backup_workers=1,
     )
     with pytest.raises(ConfigError, match="cannot clip by the global gradient norm with backup"):
-        validate(config)
+        check_config(config)
 
 
 @pytest.mark.slow

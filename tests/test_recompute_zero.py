@@ -93,7 +93,7 @@ def test_zero_recompute_refuses_batchnorm_before_starting_workers(strategy):
 @pytest.mark.parametrize("strategy", zero_workers.STAGES)
 def test_trainer_passes_recompute_to_the_zero_engines(strategy):
     from paratrain.config import TrainConfig
-    from paratrain.run.fit import strategy_options
+    from paratrain.run.build import strategy_options
 
     config = TrainConfig(model="gpt", strategy=strategy, recompute=True)
     assert strategy_options(config, bundle=None)["recompute"] is True  # bundle: pipeline only

@@ -11,10 +11,10 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.parallel.ps.shared_memory import resolve_transport
-from paratrain.reports.metrics_file import read_metrics
 from paratrain.reports.compare import compare_rows, format_compare
-from paratrain.reports.run_data import load_run
+from paratrain.reports.metrics_file import read_metrics
 from paratrain.reports.plot import PANEL_TITLES, draw_runs
+from paratrain.reports.run_data import load_run
 from paratrain.reports.text import memory_line, summarize_run
 
 PNG = b"\x89PNG\r\n\x1a\n"

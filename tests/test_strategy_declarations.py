@@ -10,8 +10,9 @@ from paratrain.parallel import RunSpec, declared_options, strategy_class, strate
 from paratrain.parallel.fit_advice import ranked_strategies
 from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.strategy import engine_options
+from paratrain.run.build import meta_model
+from paratrain.run.preflight import check_config, check_model
 from paratrain.run.resume_config import resume_config
-from paratrain.run.fit import validate
 
 
 @pytest.mark.parametrize("name", strategy_names())
@@ -114,9 +115,9 @@ def test_pipeline_checks_its_stages_against_the_models_layers():
     class Bundle:  # what model_options reads of a dataset
         num_classes, input_shape, train = 10, (784,), None
 
-    assert validate(config) == 8, "without the dataset the layers are not counted yet"
+    assert check_config(config) == 8, "without the dataset the layers are not counted yet"
     with pytest.raises(ConfigError, match="8 stages"):
-        validate(config, Bundle())
+        check_model(config, 8, Bundle(), meta_model(config, Bundle()))
 
 
 def test_advice_ranks_strategies_from_their_declarations():

@@ -193,13 +193,13 @@ def test_mixed_precision_agrees_with_dp_and_ledger_leaves_out_gathered_parameter
 
 @pytest.mark.parametrize("strategy", zero_workers.STAGES)
 def test_trainer_refuses_an_uneven_batch_before_starting_workers(strategy):
-    from paratrain.config import TrainConfig
-    from paratrain.run.fit import ConfigError, validate
+    from paratrain.config import ConfigError, TrainConfig
+    from paratrain.run.preflight import check_config
 
     config = TrainConfig(model="mlp", strategy=strategy, devices=4, global_batch=10)
     with pytest.raises(ConfigError, match="does not split evenly over 4 replica"):
-        validate(config)
-    assert validate(TrainConfig(model="mlp", strategy=strategy, devices=4, global_batch=8)) == 4
+        check_config(config)
+    assert check_config(TrainConfig(model="mlp", strategy=strategy, devices=4, global_batch=8)) == 4
 
 
 # -- optimizers that flat slices would break -----------------------------------------------

@@ -1,56 +1,54 @@
-"""``paratrain ckpt import SOURCE OUT_DIR --model ...``: weights from elsewhere made a
-paratrain checkpoint that ``paratrain train --resume OUT_DIR`` continues under any
-strategy.
+"""Weights saved elsewhere made a paratrain checkpoint (``paratrain ckpt import``).
 
-The source is anything ``paratrain.load_model_state`` reads (a ``.pt``/``.pth``/``.bin``
-state dict, perhaps from ``nn.DataParallel`` or DDP with ``module.`` names, a
-``.safetensors`` file, a paratrain checkpoint or run folder). It is checked, name by name
-and shape by shape, against the reference model the flags describe (built on the meta
-device: no weights are made), stored in that model's dtypes with tied names stored once,
-and saved with the model's settings as its config: the resume takes the model from it and
-everything else (optimizer, data, steps) from its own flags. The file holds no optimizer
-state, so the optimizer starts fresh, and the command says so.
+The source is anything ``load_model_state`` reads (a ``.pt``/``.pth``/``.bin`` state dict,
+perhaps from ``nn.DataParallel`` or DDP with ``module.`` names, a ``.safetensors`` file, a
+paratrain checkpoint or run folder). It is checked, name by name and shape by shape,
+against the model it is for (on the meta device: no weights are made), stored in that
+model's dtypes with tied names stored once, and saved model-only: a resume from it starts
+the optimizer fresh.
 """
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from paratrain.checkpoints.format import CheckpointError, save_model_state
-from paratrain.config import ConfigError, build_config
 from paratrain.checkpoints.model_state import load_model_state, strip_wrappers
 from paratrain.parallel.ties import tied_names
-from paratrain.run.resume_config import MODEL_FIELDS, saved_config
-from paratrain.checkpoints.locate import find_checkpoint
-
-IMPORT_FIELDS = (*MODEL_FIELDS, "data_dir")
-"""The flags ``ckpt import`` takes: the model, and the dataset that sizes it."""
 
 
-def import_command(args: argparse.Namespace) -> int:
-    from paratrain.models import MODEL_NAMES, build_model
-    from paratrain.run.fit import check_pairing, load_data, model_options
+@dataclass(frozen=True)
+class Imported:
+    """What an import wrote, as the command reports it."""
 
-    source = Path(args.source)
-    given = {name: getattr(args, name) for name in IMPORT_FIELDS}
-    saved = _saved_model_settings(source)  # a paratrain checkpoint knows its model
-    config = build_config(saved, {k: v for k, v in given.items() if v is not None})
-    if config.model not in MODEL_NAMES:
-        raise ConfigError(
-            f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
-        )
-    bundle = load_data(config)
-    check_pairing(config, bundle)
-    with torch.device("meta"):
-        model = build_model(config.model, **model_options(config, bundle))
+    tensors: int
+    values: int
+    """Values stored, a tied tensor counted once."""
+    renamed: list[str]
+    """Source names read under another name (wrapper prefixes stripped)."""
+
+    def renamed_note(self) -> str:
+        """`` ('module.x' read as 'x', ...)`` where names were renamed; else nothing."""
+        if not self.renamed:
+            return ""
+        first = self.renamed[0]
+        return f" ({first!r} read as {strip_wrappers(first)!r}, ...)"
+
+
+def import_weights(source: Path, model: nn.Module, out: Path, metadata: dict[str, Any]) -> Imported:
+    """Check ``source``'s weights against ``model`` and save them at ``out`` as a
+    model-only checkpoint with ``metadata``; refuses tied names whose values differ."""
     stored = load_model_state(source)
     state = load_model_state(source, model=model)  # wrappers stripped, names/shapes checked
     expected = model.state_dict()
     state = {name: tensor.to(expected[name].dtype) for name, tensor in state.items()}
-    for alias, canonical in tied_names(model).items():
+    ties = tied_names(model)
+    for alias, canonical in ties.items():
         if not torch.equal(state[alias], state[canonical]):
             raise CheckpointError(
                 f"{source} holds different values for {canonical!r} and {alias!r}, which "
@@ -58,30 +56,6 @@ def import_command(args: argparse.Namespace) -> int:
                 "--tie-embeddings."
             )
         state[alias] = state[canonical]  # one tensor: stored once, the alias recorded
-    out = Path(args.out)
-    settings = {name: getattr(config, name) for name in MODEL_FIELDS}
-    save_model_state(
-        out, state, metadata={"step": 0, "config": settings, "imported_from": str(source)}
-    )
-    renamed = sorted(set(stored) - set(state))
-    note = f" ({renamed[0]!r} read as {strip_wrappers(renamed[0])!r}, ...)" if renamed else ""
-    values = sum(t.numel() for name, t in state.items() if name not in tied_names(model))
-    print(
-        f"imported {source} into {out}: {config.model} on {config.dataset}, {len(state)} "
-        f"tensors, {values:,} values{note}\n"
-        f"the file holds model weights only: the optimizer starts fresh; continue with "
-        f"paratrain train --resume {out} --steps N"
-    )
-    return 0
-
-
-def _saved_model_settings(source: Path) -> dict:
-    """The model settings saved in a paratrain checkpoint or run folder; none elsewhere
-    (flags given for it must then agree with the weights, which the import checks)."""
-    if not source.is_dir():
-        return {}
-    try:
-        saved = saved_config(find_checkpoint(source)) or {}
-    except (ConfigError, CheckpointError):
-        return {}  # load_model_state says what is wrong with it
-    return {name: saved[name] for name in MODEL_FIELDS if name in saved}
+    save_model_state(out, state, metadata=metadata)
+    values = sum(t.numel() for name, t in state.items() if name not in ties)
+    return Imported(len(state), values, sorted(set(stored) - set(state)))

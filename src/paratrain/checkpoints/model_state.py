@@ -25,8 +25,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from paratrain.checkpoints.format import MANIFEST, Checkpoint, CheckpointError
-from paratrain.parallel.ties import tied_names
 from paratrain.checkpoints.locate import latest_checkpoint
+from paratrain.parallel.ties import tied_names
 
 STATE_SUFFIXES = (".pt", ".pth", ".bin")
 """Files read as ``torch.save``d state dicts (``.bin`` is Hugging Face's name)."""

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from paratrain.checkpoints.file_modes import match_umask
 from paratrain.checkpoints.format import Checkpoint
 from paratrain.config import ConfigError
-from paratrain.checkpoints.file_modes import match_umask
 from paratrain.reports.metrics_file import format_bytes
 
 

@@ -18,7 +18,7 @@ from paratrain.planner.choose import format_table
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from paratrain.run.fit import plan_run
+    from paratrain.run.prepare import plan_run
 
     file_values = load_toml(args.config) if args.config else {}
     overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
@@ -26,7 +26,7 @@ def plan_command(args: argparse.Namespace) -> int:
         overrides["strategy"] = AUTO  # left out: every strategy
     config = build_config(file_values, overrides)
     try:
-        planned, chosen = plan_run(config)
+        planned, chosen, _ = plan_run(config)
     except NoPlanFits as error:
         devices = config.devices or _devices()
         print(format_table(error.candidates, devices, config.global_batch))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from paratrain.data import GlobalBatchLoader, batches, whole_split
-from paratrain.run.metrics import ClassificationSums, TokenSums
 from paratrain.parallel.metric_tally import IGNORE_INDEX, Tally
+from paratrain.run.metrics import ClassificationSums, TokenSums
 
 
 @dataclass(frozen=True)

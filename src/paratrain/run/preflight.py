@@ -1,11 +1,13 @@
-"""Checks of a run's dataset name, data folder, backend and worker count that need neither
-the data nor a worker.
+"""Every check of a run made in the parent, before any worker starts: one place.
 
-``trainer.validate`` runs them in the parent before anything is created on disk (the run
-folder, a cache folder), so a mistyped name, a missing folder or a backend the machine
-cannot give costs one sentence and leaves nothing behind, as an unknown ``--model`` does.
-The time-sharing warning is printed by ``fit`` once every check has passed, so that a
-refused run says only why.
+In the order ``prepare.py`` asks them: the names and folders (``check_names``: model,
+dataset, strategy, ``--data-dir``, ``--tensorboard``) before anything is created on disk,
+so a mistyped name costs one sentence and leaves nothing behind; the devices and the
+strategy's own checks without the data (``check_layout``), so a bad layout is refused
+before any download; then, with the dataset, the model's pairing with it
+(``check_pairing``) and the strategy's checks against the model on the meta device and
+the memory budget (``check_model``). The time-sharing warning is printed by ``fit`` once
+every check has passed, so that a refused run says only why.
 """
 
 from __future__ import annotations
@@ -14,10 +16,142 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from paratrain.config import ConfigError, TrainConfig
-from paratrain.data import DATASETS, dataset_key
-from paratrain.runtime.launch import BACKENDS, in_external_job, resolve_backend
+from paratrain.data import DATASETS, DatasetBundle, dataset_key
+from paratrain.models import MODEL_NAMES
+from paratrain.parallel import strategy_class, strategy_names
+from paratrain.parallel.fit_advice import advice
+from paratrain.reports.tensorboard_log import check_tensorboard
+from paratrain.run.build import run_spec
+from paratrain.runtime.external_job import check_job_devices
+from paratrain.runtime.launch import (
+    BACKENDS,
+    default_device_count,
+    in_external_job,
+    resolve_backend,
+)
+from paratrain.runtime.units import format_bytes, parse_size
+
+_TOKEN_MODELS = ("gpt",)
+_IMAGE_MODELS = ("lenet",)
+
+
+def check_config(config: TrainConfig) -> int:
+    """Everything that needs no data (``check_names``, then ``check_layout``); returns the
+    device count."""
+    check_names(config)
+    return check_layout(config)
+
+
+def check_names(config: TrainConfig, *, strategy: bool = True) -> None:
+    """Refuse an unknown model, dataset or strategy, a ``--data-dir`` that is not a folder
+    and ``--tensorboard`` without its package. ``strategy=False`` for a run the planner is
+    still to choose for (``auto``, ``paratrain plan``): the planner judges that name."""
+    if config.model not in MODEL_NAMES:
+        raise ConfigError(
+            f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
+        )
+    check_dataset(config)
+    if strategy and config.strategy not in strategy_names():
+        raise ConfigError(
+            f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
+        )
+    check_data_dir(config)
+    check_tensorboard(config)
+
+
+def check_layout(config: TrainConfig) -> int:
+    """The backend, the job's devices and the strategy's checks of the run without the
+    model (``Engine.check_run``: degrees, batch splits); returns the device count."""
+    devices = config.devices or default_device_count()
+    check_backend(config, devices)
+    _ask_strategy(config, devices)
+    return devices
+
+
+def check_model(config: TrainConfig, devices: int, bundle: DatasetBundle, model: nn.Module) -> None:
+    """The strategy's checks against the model (on the meta device), then the memory
+    budget against its parameters."""
+    _ask_strategy(config, devices, bundle, model)
+    check_memory(config, devices, model)
+
+
+def _ask_strategy(
+    config: TrainConfig,
+    devices: int,
+    bundle: DatasetBundle | None = None,
+    model: nn.Module | None = None,
+) -> None:
+    """``Engine.check_run``, its ``ValueError`` made the run's one-sentence refusal."""
+    try:
+        if in_external_job():
+            check_job_devices(config.devices)
+        strategy_class(config.strategy).check_run(run_spec(config, devices, bundle, model))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def refuse_planning_in_job() -> None:
+    """``--strategy auto`` inside torchrun: the plan must be made before the workers."""
+    if in_external_job():
+        raise ConfigError(
+            "--strategy auto plans before the workers start, which torchrun does not let it "
+            "do; run `paratrain plan` with the same flags and pass the strategy it prints."
+        )
+
+
+def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
+    """A token model needs a token dataset, an image model an image dataset."""
+    wants_tokens = config.model in _TOKEN_MODELS
+    if wants_tokens != (bundle.kind == "tokens"):
+        need = (
+            "a token dataset (shakespeare, synthetic_tokens)"
+            if wants_tokens
+            else ("a classification dataset (fashion_mnist, synthetic, synthetic_images)")
+        )
+        raise ConfigError(f"model {config.model!r} needs {need}, not {config.dataset!r}.")
+    if config.model in _IMAGE_MODELS and len(bundle.input_shape) != 3:
+        raise ConfigError(
+            f"model {config.model!r} needs image-shaped inputs (C, H, W), but {config.dataset!r} "
+            f"gives {tuple(bundle.input_shape)}; use fashion_mnist or synthetic_images."
+        )
+    if len(bundle.train) < config.global_batch:
+        raise ConfigError(
+            f"dataset {config.dataset!r} has {len(bundle.train)} training samples, fewer than "
+            f"one global batch of {config.global_batch}; lower --global-batch."
+        )
+
+
+def check_memory(config: TrainConfig, devices: int, model: nn.Module) -> None:
+    """Refuse a budget that the parameters alone exceed, counted on the meta-device model.
+
+    Only what is certain before training is checked (parameters, at the share the strategy
+    gives each worker at best); gradients, optimizer state and activations are checked by
+    each worker's ledger from the first step on.
+    """
+    budget = parse_size(config.memory_per_device)
+    if budget is None:
+        return
+    parameters = list(dict.fromkeys(model.parameters()))
+    share = strategy_class(config.strategy).parameter_share(devices, config.strategy_options())
+    if share is None:
+        return
+    held = sum(p.numel() * p.element_size() for p in parameters) * share
+    if held > budget:
+        raise ConfigError(
+            f"the parameters alone need {format_bytes(held)} per worker under strategy "
+            f"{config.strategy!r}, over --memory-per-device {format_bytes(budget)}; "
+            + advice(
+                parameters=sum(p.numel() for p in parameters),
+                workers=devices,
+                budget=budget,
+                candidates=strategy_names(),
+                current=config.strategy,
+            )
+            + "."
+        )
 
 
 def check_dataset(config: TrainConfig) -> None:

@@ -18,12 +18,12 @@ import torch
 
 import paratrain
 from paratrain.checkpoints.format import Checkpoint
-from paratrain.config import ConfigError, TrainConfig, as_dict
-from paratrain.data import GlobalBatchLoader
-from paratrain.checkpoints.model_state import mismatch
-from paratrain.reports.metrics_file import MetricsWriter, read_metrics
 from paratrain.checkpoints.locate import find_checkpoint as find_checkpoint  # its old home
 from paratrain.checkpoints.locate import latest_checkpoint
+from paratrain.checkpoints.model_state import mismatch
+from paratrain.config import ConfigError, TrainConfig, as_dict
+from paratrain.data import GlobalBatchLoader
+from paratrain.reports.metrics_file import MetricsWriter, read_metrics
 from paratrain.runtime import comm
 from paratrain.runtime.launch import WorkerError
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.checkpoints.format import read_manifest
+from paratrain.checkpoints.locate import find_checkpoint
 from paratrain.config import (
     ConfigError,
     TrainConfig,
@@ -33,7 +34,6 @@ from paratrain.config import (
     refuse_foreign_flags,
 )
 from paratrain.parallel import declared_options
-from paratrain.checkpoints.locate import find_checkpoint
 
 MODEL_FIELDS = (
     "model",

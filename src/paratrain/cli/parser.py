@@ -1,0 +1,113 @@
+"""The ``paratrain`` argument parser: its subcommands and a flag per config field.
+
+Every TrainConfig field is a ``--flag`` (underscores become dashes) and a key of the
+``--config run.toml`` file; flags given on the command line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import MISSING, Field, fields
+
+from paratrain import __version__
+from paratrain.config import TrainConfig, field_types
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    """A flag per TrainConfig field (or per field named in ``only``); the strategies' own
+    options in a group of their own."""
+    kinds = field_types()
+    strategy_group = parser.add_argument_group(
+        "strategy options", "each applies to the strategies named in its help"
+    )
+    for item in fields(TrainConfig):
+        if only is not None and item.name not in only:
+            continue
+        target = strategy_group if item.metadata.get("strategies") else parser
+        flag = "--" + item.name.replace("_", "-")
+        help_text = flag_help(item, is_bool=kinds[item.name] is bool)
+        if kinds[item.name] is bool:
+            target.add_argument(
+                flag,
+                dest=item.name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
+        else:
+            # Choices are shown, not enforced, here: a value outside them gets the same
+            # one-line refusal from the config or the trainer as one from a TOML file.
+            choices = item.metadata.get("choices")
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else item.name.upper()
+            target.add_argument(flag, dest=item.name, default=None, metavar=metavar, help=help_text)
+
+
+def flag_help(item: Field, *, is_bool: bool) -> str:
+    """A field's help with its default said once.
+
+    The default is read from the field, except where the help already says it (``(default:
+    ...)``, for a default that depends on the machine, or a None that means something), and
+    not said for a None the help leaves unexplained. The parser's own formatter adds no
+    default (it is a plain ``HelpFormatter``), so nothing is said twice.
+    """
+    text = item.metadata.get("help", "").replace("%", "%%")  # argparse formats % itself
+    default = item.default if item.default is not MISSING else None
+    if "(default" in text or default is None:
+        return text
+    if is_bool:
+        default = ("--" if default else "--no-") + item.name.replace("_", "-")
+    return f"{text} (default: {default})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paratrain", description="Train one PyTorch model on several devices."
+    )
+    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a reference model on local workers")
+    train.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
+    _add_config_flags(train)
+    plan = commands.add_parser(
+        "plan",
+        help="predict how to split a run over the devices: the fastest layout predicted to fit "
+        "--memory-per-device, and every candidate with its memory, time and verdict",
+    )
+    plan.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
+    _add_config_flags(plan)
+    report = commands.add_parser(
+        "report",
+        help="summarise a run and draw report.png (and its timeline where it recorded one); "
+        "with several runs, overlay them and print a table",
+    )
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder (holds metrics.jsonl)"
+    )
+    report.add_argument(
+        "--out",
+        default=None,
+        help="where to write pictures (default: the run's folder; for several runs, the "
+        "current folder, as compare.png)",
+    )
+    ckpt = commands.add_parser("ckpt", help="look into or convert a checkpoint")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = ckpt_commands.add_parser("inspect", help="verify a checkpoint and list its contents")
+    inspect.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
+    export = ckpt_commands.add_parser(
+        "export", help="write the model as one plain state-dict file (.safetensors or .pt)"
+    )
+    export.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
+    export.add_argument("out", help="output file, e.g. model.safetensors or model.pt")
+    imported = ckpt_commands.add_parser(
+        "import",
+        help="make a paratrain checkpoint of weights saved elsewhere (model only), to --resume",
+    )
+    imported.add_argument(
+        "source", help="a .pt/.pth/.bin state dict, a .safetensors file, or a checkpoint folder"
+    )
+    imported.add_argument("out", help="the checkpoint folder to write")
+    from paratrain.cli.ckpt_import import IMPORT_FIELDS
+
+    _add_config_flags(imported, only=IMPORT_FIELDS)
+    return parser

@@ -1,0 +1,122 @@
+"""A run prepared once, in the parent, before any worker starts.
+
+``prepare_run`` is the one path every run takes: the planner's choice where the run asked
+for ``--strategy auto``, every check (``preflight.py``), the dataset fetched once, the
+model built once on the meta device and checked by the strategy, the memory budget and
+the resume, and the run's length. What it returns (``PreparedRun``) is all ``fit`` needs;
+the workers rebuild their share from the config alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from paratrain.checkpoints.format import Checkpoint
+from paratrain.checkpoints.locate import find_checkpoint
+from paratrain.config import AUTO, ConfigError, TrainConfig
+from paratrain.data import DatasetBundle
+from paratrain.models import build_model, loss_for
+from paratrain.run.build import load_data, make_optimizer, meta_model, model_options
+from paratrain.run.length import RunLength, run_length
+from paratrain.run.preflight import (
+    check_config,
+    check_layout,
+    check_model,
+    check_names,
+    check_pairing,
+    refuse_planning_in_job,
+)
+from paratrain.run.resume import check_resumable, resume_line
+from paratrain.runtime.external_job import is_main_process
+from paratrain.runtime.launch import default_device_count
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run every check has passed: what ``fit`` launches and reports."""
+
+    config: TrainConfig
+    """As given, or as if its flags had named the planner's choice."""
+    devices: int
+    bundle: DatasetBundle
+    length: RunLength
+    resume_from: Path | None = None
+    resumed: str | None = None
+    """What the console says of the resume (``resume_line``); None for a fresh run."""
+    plan: Any = None
+    """The planner's choice and prediction where the run asked for ``--strategy auto``."""
+
+
+def prepare_run(config: TrainConfig) -> PreparedRun:
+    """Check ``config`` and do the run's one-off work; raises ``ConfigError`` (one
+    sentence) for anything that cannot work, before any run folder is made."""
+    chosen = None
+    if config.strategy == AUTO:
+        try:
+            config, chosen, bundle = plan_run(config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if is_main_process():
+            print(f"paratrain: {chosen.summary()}", file=sys.stderr)
+        devices = check_layout(config)
+    else:
+        devices = check_config(config)
+        bundle = load_data(config)
+        check_pairing(config, bundle)
+    model = meta_model(config, bundle)
+    check_model(config, devices, bundle, model)
+    length = run_length(config, len(bundle.train))
+    resume_from, resumed = _check_resume(config, devices, model, length)
+    return PreparedRun(config, devices, bundle, length, resume_from, resumed, chosen)
+
+
+def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any, DatasetBundle]:
+    """``--strategy auto`` and ``paratrain plan``: the planner's choice, made in this process
+    before any worker starts (``auto_plan``), the config as if its flags had named it, and
+    the dataset it was measured on. Raises ``NoPlanFits`` where nothing fits (a
+    ``ValueError`` that names the smallest)."""
+    from paratrain.run.auto_plan import planned_config
+
+    refuse_planning_in_job()
+    check_names(config, strategy=False)
+    devices = config.devices or default_device_count()
+    bundle = load_data(config)
+    check_pairing(config, bundle)
+    model = build_model(config.model, **model_options(config, bundle))  # measured: real
+    planned, chosen = planned_config(
+        config,
+        devices=devices,
+        model=model,
+        optimizer=make_optimizer(config),
+        loss_fn=loss_for(config.model),
+        sample=bundle.train[: config.global_batch],
+    )
+    return planned, chosen, bundle
+
+
+def _check_resume(
+    config: TrainConfig, devices: int, model: nn.Module, length: RunLength
+) -> tuple[Path | None, str | None]:
+    """The checkpoint ``--resume`` means, verified here (every checksum) so that a damaged
+    file is refused in one sentence before any worker starts or any run folder is made,
+    and what the console says of it."""
+    if not config.resume:
+        return None, None
+    resume_from = find_checkpoint(config.resume)
+    if not resume_from:
+        return resume_from, None
+    checkpoint = Checkpoint(resume_from)
+    check_resumable(checkpoint, config, model)
+    saved_step = checkpoint.step
+    if saved_step >= length.steps:
+        more = "--steps" if length.epochs is None else "--epochs"
+        raise ConfigError(
+            f"{resume_from} is already at step {saved_step} of {length.steps}; "
+            f"pass {more} above that to train further."
+        )
+    return resume_from, resume_line(checkpoint, config, devices)

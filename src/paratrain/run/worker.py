@@ -1,0 +1,295 @@
+"""The loop every worker runs: setup, then per step the step and its log, then finish.
+
+Each worker rebuilds the run from the config alone (the parent checked it in
+``prepare.py``): the dataset (cached by then), the model, the engine through
+``paratrain.setup``. Rank 0 also writes the metrics file; every worker writes its share of
+each checkpoint and returns a report the parent gathers (``result.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+from paratrain.config import TrainConfig, as_dict
+from paratrain.data import GlobalBatchLoader, batches
+from paratrain.models import build_model, loss_for
+from paratrain.parallel import Engine, StepStats
+from paratrain.parallel.metric_tally import Tally
+from paratrain.parallel.strategy import RecordsTimeline
+from paratrain.reports.metrics_file import MetricsWriter
+from paratrain.reports.tensorboard_log import TensorBoardMirror
+from paratrain.run.build import load_data, make_optimizer, model_options, strategy_options
+from paratrain.run.console import console_line, epoch_fields, progress_bar
+from paratrain.run.evaluation import EvalResult, evaluate, running_accuracy
+from paratrain.run.length import RunLength, eval_batches, evaluates_at, run_length
+from paratrain.run.lr_schedule import lr_factor, set_learning_rate
+from paratrain.run.metrics import ClassificationSums, TokenSums, metric_for
+from paratrain.run.resume import checkpoint_metadata, inject_fault, prune
+from paratrain.runtime import comm
+from paratrain.runtime.devices import peak_memory_bytes
+from paratrain.runtime.signals import TerminationNotice
+
+_TIMELINE_STEPS = 200  # the timeline file keeps the last this-many steps
+
+
+@dataclass
+class WorkerRun:
+    """One worker's run: what setup made, and what the steps have measured so far."""
+
+    config: TrainConfig
+    run_dir: str
+    engine: Engine
+    length: RunLength
+    metric: ClassificationSums | TokenSums
+    train_loader: GlobalBatchLoader
+    eval_loader: GlobalBatchLoader
+    eval_count: int | None
+    """Batches per evaluation; None: the whole split, which may be short."""
+    first: int
+    """The first step this worker takes (after a resumed checkpoint's)."""
+    metrics: MetricsWriter | None
+    """The metrics file, on rank 0 only."""
+    bar: Any
+    scheduled: bool
+    """Whether the learning rate follows a schedule (and there is an optimizer to set)."""
+    train_tally: Tally
+    timed_from: float
+    timed_samples: int = 0
+    samples_per_s: float = 0.0
+    stats: StepStats | None = None
+    evaluation: EvalResult | None = None
+
+    @property
+    def lead(self) -> bool:
+        return comm.rank() == 0
+
+
+def train_worker(
+    config: TrainConfig, run_dir: str, resume_from: str | None = None, attempt: int = 0
+) -> dict[str, Any]:
+    """The loop every worker runs; rank 0 also writes metrics; all write checkpoints."""
+    run = setup(config, run_dir, resume_from)
+    notice = TerminationNotice()  # SIGTERM: finish this step, checkpoint, return
+    preempted_at = None
+    remaining = run.length.steps - run.first + 1
+    for step, (inputs, targets) in enumerate(batches(run.train_loader, remaining), run.first):
+        inject_fault(step, attempt)
+        take_step(run, step, inputs, targets)
+        log_step(run, step)
+        engine = run.engine
+        if step < run.length.steps and notice.agreed(
+            independent=engine.independent_workers, device=engine.device
+        ):
+            preempted_at = step
+            break
+    notice.close()
+    return finish(run, preempted_at)
+
+
+def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerRun:
+    """The engine, the loaders, the resumed state, the metrics file and the bar."""
+    torch.manual_seed(config.seed)
+    bundle = load_data(config)
+    model = build_model(config.model, **model_options(config, bundle))
+    options = strategy_options(config, bundle)
+    engine = paratrain.setup(
+        model,
+        optimizer=make_optimizer(config),
+        loss_fn=loss_for(config.model),
+        strategy=config.strategy,
+        gradient_accumulation=config.gradient_accumulation,
+        **options,
+    )
+    lead = comm.rank() == 0
+    length = run_length(config, len(bundle.train))
+    metric = metric_for(bundle.kind)
+    train_loader = GlobalBatchLoader(bundle.train, config.global_batch, seed=config.seed)
+    eval_count = eval_batches(config, length)  # None: the whole split, which may be short
+    tail = "wrap" if eval_count is None else "drop"
+    eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False, tail=tail)
+    first = 1
+    if resume_from:
+        checkpoint = engine.load_checkpoint(resume_from)
+        if "data" in checkpoint.metadata:  # an imported checkpoint starts the data afresh
+            train_loader.load_state_dict(checkpoint.metadata["data"])
+        first = engine.steps_taken + 1
+    metrics = None
+    if lead:
+        mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
+        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror)
+        metrics.write(
+            "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
+        )
+    bar = progress_bar(config, length, enabled=lead, initial=first - 1)
+    # A stage without parameters (pipeline) holds no optimizer and nothing to schedule.
+    scheduled = engine.optimizer is not None and (
+        config.lr_schedule != "constant" or config.warmup_steps > 0
+    )
+    return WorkerRun(
+        config=config,
+        run_dir=run_dir,
+        engine=engine,
+        length=length,
+        metric=metric,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        eval_count=eval_count,
+        first=first,
+        metrics=metrics,
+        bar=bar,
+        scheduled=scheduled,
+        train_tally=engine.tally(metric),  # every training prediction, until closed
+        timed_from=time.perf_counter(),
+    )
+
+
+def take_step(run: WorkerRun, step: int, inputs: Any, targets: Any) -> None:
+    """The learning rate for this step, the step, a periodic checkpoint, and the timing
+    (from the second step on: the first pays one-off costs, allocation and warm-up)."""
+    config, engine = run.config, run.engine
+    if run.scheduled:
+        factor = lr_factor(
+            config.lr_schedule,
+            step,
+            total_steps=run.length.steps,
+            warmup_steps=config.warmup_steps,
+        )
+        set_learning_rate(engine.optimizer, config.lr * factor)
+    run.stats = engine.train_step(inputs, targets)
+    periodic = config.checkpoint_every and step % config.checkpoint_every == 0
+    if periodic and step < run.length.steps:
+        engine.save_checkpoint(
+            Path(run.run_dir) / "checkpoints" / f"step-{step:08d}",
+            metadata=checkpoint_metadata(config, run.train_loader),
+        )
+        if run.lead:
+            prune(Path(run.run_dir), config.keep_checkpoints)
+    if step == run.first:
+        run.timed_from, run.timed_samples = time.perf_counter(), 0
+    else:
+        run.timed_samples += run.stats.samples
+    elapsed = time.perf_counter() - run.timed_from
+    run.samples_per_s = run.timed_samples / elapsed if run.timed_samples else 0.0
+
+
+def log_step(run: WorkerRun, step: int) -> None:
+    """An evaluation where one is due, the train record every ``--log-every`` steps, and
+    the progress bar."""
+    config, engine, length, stats = run.config, run.engine, run.length, run.stats
+    if evaluates_at(config, length, step):
+        run.evaluation = evaluate(engine, run.metric, run.eval_loader, run.eval_count)
+        if run.metrics:
+            run.metrics.write(
+                "eval", step=step, **epoch_fields(length, step), **run.evaluation.record()
+            )
+        if run.lead:
+            console_line(run.evaluation.line(length.where(step)), run.bar)
+    logs = step % config.log_every == 0 or step == length.steps
+    if logs:  # every worker: a collective where the workers split the batch
+        accuracy = running_accuracy(engine, run.train_tally)
+    if run.metrics and logs:
+        run.metrics.write(
+            "train",
+            step=step,
+            **epoch_fields(length, step),
+            loss=stats.loss,
+            **({"accuracy": accuracy} if accuracy is not None else {}),
+            samples_per_s=run.samples_per_s,
+            comm_bytes=stats.comm_bytes,
+            skipped_steps=stats.skipped_steps,
+            **({"loss_scale": stats.loss_scale} if config.precision == "fp16" else {}),
+            **(
+                {"lr": engine.optimizer.param_groups[0]["lr"]}
+                if engine.optimizer is not None
+                else {}
+            ),
+            **({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}),
+        )
+    if run.bar is not None:
+        # The postfix waits for the bar's own throttled redraw: refreshing it here would
+        # write a line per step into a log file (mininterval governs update() only).
+        run.bar.set_postfix(
+            **epoch_fields(length, step, text=True),
+            loss=f"{stats.loss:.4f}",
+            samples_s=f"{run.samples_per_s:.0f}",
+            refresh=False,
+        )
+        run.bar.update(1)
+
+
+def finish(run: WorkerRun, preempted_at: int | None) -> dict[str, Any]:
+    """Close what the loop opened, save the final checkpoint (or, stopped by SIGTERM, one
+    where ``--resume`` finds it as the newest), write the memory records and the summary,
+    and return this worker's report."""
+    engine, run_dir = run.engine, run.run_dir
+    run.train_tally.close()
+    if run.bar is not None:
+        run.bar.close()
+    if isinstance(engine, RecordsTimeline):
+        engine.write_timeline(run_dir, last_steps=_TIMELINE_STEPS)
+    engine.finish_training()
+    if preempted_at is None:
+        checkpoint = Path(run_dir) / "final"
+    else:  # where a periodic checkpoint goes, so --resume finds it as the newest
+        checkpoint = Path(run_dir) / "checkpoints" / f"step-{preempted_at:08d}"
+    engine.save_checkpoint(checkpoint, metadata=checkpoint_metadata(run.config, run.train_loader))
+    write_memory(engine, run.metrics)
+    total = time.perf_counter() - run.timed_from
+    report = _report(run, checkpoint, preempted_at, total)
+    if run.metrics:
+        if not engine.independent_workers:  # else the parent writes the run's summary
+            skip = ("rank", "memory")  # memory has its own records, one per worker
+            run.metrics.write("summary", **{k: v for k, v in report.items() if k not in skip})
+        run.metrics.close()
+    engine.close()
+    return report
+
+
+def _report(
+    run: WorkerRun, checkpoint: Path, preempted_at: int | None, total: float
+) -> dict[str, Any]:
+    """This worker's figures, as the parent gathers them into a ``RunResult``."""
+    engine, stats, evaluation = run.engine, run.stats, run.evaluation
+    strategy_metrics = engine.run_metrics()
+    return {
+        "rank": comm.rank(),
+        "final_train_loss": stats.loss,
+        "final_eval_loss": evaluation.loss if evaluation else None,
+        "final_accuracy": evaluation.accuracy if evaluation else None,
+        "samples_per_s": run.timed_samples / total if run.timed_samples else 0.0,
+        "peak_memory_bytes": peak_memory_bytes(engine.device),
+        "parameter_bytes": engine.parameter_bytes,
+        "model_state_bytes": engine.model_state_bytes(),
+        "activation_peak_bytes": engine.memory.activation_peak_bytes(),
+        "memory": engine.memory.ledger.record(),
+        "skipped_steps": stats.skipped_steps,
+        "loss_scale": stats.loss_scale,
+        "checkpoint": str(checkpoint),
+        "preempted_at": preempted_at,
+        "metrics": str(Path(run.run_dir) / "metrics.jsonl"),
+        **({engine.name: strategy_metrics} if strategy_metrics is not None else {}),
+    }
+
+
+def write_memory(engine: Engine, metrics: MetricsWriter | None) -> list[dict[str, Any]]:
+    """Gather every worker's memory ledger to rank 0, which writes one record per worker."""
+    own = engine.memory.ledger.record()
+    gathered = [own]
+    # Independent workers (ps) never wait on one another (a lost worker would hang it):
+    # the parent writes their records from every worker's report (``_write_independent``).
+    if engine.independent_workers:
+        return gathered
+    if comm.distributed():
+        gathered = [None] * comm.world_size() if comm.rank() == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+    if metrics:
+        for record in gathered:
+            metrics.write("memory", **record)
+    return gathered or []
