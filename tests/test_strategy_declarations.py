@@ -10,7 +10,7 @@ from paratrain.parallel import RunSpec, declared_options, strategy_class, strate
 from paratrain.parallel.fit_advice import ranked_strategies
 from paratrain.parallel.options import StrategyOption
 from paratrain.parallel.strategy import engine_options
-from paratrain.run.build import meta_model
+from paratrain.run.build import meta_model_once
 from paratrain.run.preflight import check_config, check_model
 from paratrain.run.resume_config import resume_config
 
@@ -117,7 +117,7 @@ def test_pipeline_checks_its_stages_against_the_models_layers():
 
     assert check_config(config) == 8, "without the dataset the layers are not counted yet"
     with pytest.raises(ConfigError, match="8 stages"):
-        check_model(config, 8, Bundle(), meta_model(config, Bundle()))
+        check_model(config, 8, Bundle(), meta_model_once(config, Bundle()))
 
 
 def test_advice_ranks_strategies_from_their_declarations():

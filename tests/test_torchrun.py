@@ -132,4 +132,4 @@ def test_cli_under_torchrun_prints_one_summary_and_refuses_another_device_count(
     assert refused.returncode != 0
     assert "devices=4 was asked for inside a torchrun job of 2 processes" in refused.stderr
     # One sentence from paratrain, no traceback of ours (torchrun adds its own report after).
-    assert "ConfigError" not in refused.stderr and "paratrain/cli.py" not in refused.stderr
+    assert "ConfigError" not in refused.stderr and "paratrain/cli/" not in refused.stderr

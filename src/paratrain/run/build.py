@@ -9,6 +9,7 @@ workers train.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +63,20 @@ def meta_model(config: TrainConfig, bundle: DatasetBundle) -> nn.Module:
         return build_model(config.model, **model_options(config, bundle))
 
 
+def meta_model_once(config: TrainConfig, bundle: DatasetBundle) -> Callable[[], nn.Module]:
+    """``meta_model`` built on first call and the same model returned after: the parent's
+    checks share one, and a run no check needs it for never builds it (a model option
+    the builder refuses is then refused where it always was)."""
+    built: list[nn.Module] = []
+
+    def build() -> nn.Module:
+        if not built:
+            built.append(meta_model(config, bundle))
+        return built[0]
+
+    return build
+
+
 def make_optimizer(config: TrainConfig):
     """The optimizer factory the engine calls with the parameters it owns."""
     name, lr, decay = config.optimizer, config.lr, config.weight_decay
@@ -78,17 +93,17 @@ def run_spec(
     config: TrainConfig,
     devices: int,
     bundle: DatasetBundle | None = None,
-    model: nn.Module | None = None,
+    model: Callable[[], nn.Module] | None = None,
 ) -> RunSpec:
     """The run as the strategy sees it before any worker starts.
 
     With the dataset's ``bundle`` the strategy may look at the model on the meta device:
-    ``model`` where the caller has built it already (the parent builds it once), else
-    built when first asked for.
+    through ``model`` where the caller shares one (``meta_model_once``), else built anew
+    each time the strategy asks.
     """
 
     def build_meta_model() -> nn.Module:
-        return model if model is not None else meta_model(config, bundle)
+        return model() if model is not None else meta_model(config, bundle)
 
     return RunSpec(
         devices=devices,

@@ -13,6 +13,7 @@ every check has passed, so that a refused run says only why.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,7 +83,7 @@ def _ask_strategy(
     config: TrainConfig,
     devices: int,
     bundle: DatasetBundle | None = None,
-    model: nn.Module | None = None,
+    model: Callable[[], nn.Module] | None = None,
 ) -> None:
     """``Engine.check_run``, its ``ValueError`` made the run's one-sentence refusal."""
     try:
@@ -124,7 +125,7 @@ def check_pairing(config: TrainConfig, bundle: DatasetBundle) -> None:
         )
 
 
-def check_memory(config: TrainConfig, devices: int, model: nn.Module) -> None:
+def check_memory(config: TrainConfig, devices: int, model: Callable[[], nn.Module]) -> None:
     """Refuse a budget that the parameters alone exceed, counted on the meta-device model.
 
     Only what is certain before training is checked (parameters, at the share the strategy
@@ -134,7 +135,7 @@ def check_memory(config: TrainConfig, devices: int, model: nn.Module) -> None:
     budget = parse_size(config.memory_per_device)
     if budget is None:
         return
-    parameters = list(dict.fromkeys(model.parameters()))
+    parameters = list(dict.fromkeys(model().parameters()))
     share = strategy_class(config.strategy).parameter_share(devices, config.strategy_options())
     if share is None:
         return

@@ -2,14 +2,15 @@
 
 ``prepare_run`` is the one path every run takes: the planner's choice where the run asked
 for ``--strategy auto``, every check (``preflight.py``), the dataset fetched once, the
-model built once on the meta device and checked by the strategy, the memory budget and
-the resume, and the run's length. What it returns (``PreparedRun``) is all ``fit`` needs;
+model built at most once on the meta device (where a check needs it) and shared by the
+strategy's checks, the memory budget and the resume, and the run's length. What it returns (``PreparedRun``) is all ``fit`` needs;
 the workers rebuild their share from the config alone.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from paratrain.checkpoints.locate import find_checkpoint
 from paratrain.config import AUTO, ConfigError, TrainConfig
 from paratrain.data import DatasetBundle
 from paratrain.models import build_model, loss_for
-from paratrain.run.build import load_data, make_optimizer, meta_model, model_options
+from paratrain.run.build import load_data, make_optimizer, meta_model_once, model_options
 from paratrain.run.length import RunLength, run_length
 from paratrain.run.preflight import (
     check_config,
@@ -68,7 +69,7 @@ def prepare_run(config: TrainConfig) -> PreparedRun:
         devices = check_config(config)
         bundle = load_data(config)
         check_pairing(config, bundle)
-    model = meta_model(config, bundle)
+    model = meta_model_once(config, bundle)  # built where a check first needs it
     check_model(config, devices, bundle, model)
     length = run_length(config, len(bundle.train))
     resume_from, resumed = _check_resume(config, devices, model, length)
@@ -100,7 +101,7 @@ def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any, DatasetBundle]:
 
 
 def _check_resume(
-    config: TrainConfig, devices: int, model: nn.Module, length: RunLength
+    config: TrainConfig, devices: int, model: Callable[[], nn.Module], length: RunLength
 ) -> tuple[Path | None, str | None]:
     """The checkpoint ``--resume`` means, verified here (every checksum) so that a damaged
     file is refused in one sentence before any worker starts or any run folder is made,
@@ -111,7 +112,7 @@ def _check_resume(
     if not resume_from:
         return resume_from, None
     checkpoint = Checkpoint(resume_from)
-    check_resumable(checkpoint, config, model)
+    check_resumable(checkpoint, config, model())
     saved_step = checkpoint.step
     if saved_step >= length.steps:
         more = "--steps" if length.epochs is None else "--epochs"
