@@ -3,8 +3,9 @@
 ``prepare_run`` is the one path every run takes: the planner's choice where the run asked
 for ``--strategy auto``, every check (``preflight.py``), the dataset fetched once, the
 model built at most once on the meta device (where a check needs it) and shared by the
-strategy's checks, the memory budget and the resume, and the run's length. What it returns (``PreparedRun``) is all ``fit`` needs;
-the workers rebuild their share from the config alone.
+strategy's checks, the memory budget and the resume, and the run's length. What it
+returns (``PreparedRun``) is all ``fit`` needs; the workers rebuild their share from the
+config alone.
 """
 
 from __future__ import annotations
