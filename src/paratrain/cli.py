@@ -16,7 +16,8 @@ from paratrain import __version__
 from paratrain.checkpoint import CheckpointError
 from paratrain.config import ConfigError, TrainConfig, build_config, field_types, load_toml
 from paratrain.parallel import strategy_class, strategy_names
-from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
+from paratrain.parallel.description import DrawsTimeline
+from paratrain.parallel.strategy import TIMELINE_FILE
 from paratrain.report import format_bytes
 from paratrain.report_compare import compare_rows, format_compare
 from paratrain.report_data import RunMetrics, load_run
@@ -294,7 +295,7 @@ def _timeline_recorder(strategy: str | None):
     recorders = [
         strategy_class(name)
         for name in strategy_names()
-        if issubclass(strategy_class(name), RecordsTimeline)
+        if issubclass(strategy_class(name), DrawsTimeline)
     ]
     by_name = {cls.name: cls for cls in recorders}
     return by_name.get(strategy, recorders[0])

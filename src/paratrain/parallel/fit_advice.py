@@ -3,7 +3,7 @@
 With fp32 weights and Adam, training holds per parameter 4 bytes of weight, 4 of gradient
 and 8 of optimizer state (two moments): 16 bytes. Strategies differ in how much of that
 each of N workers keeps (Rajbhandari et al., "ZeRO", 2020); each strategy states its own
-share next to its code (``Engine.model_state_per_worker``), for example:
+share next to its code (``Strategy.model_state_per_worker``), for example:
 
     dp        4 + 4 + 8          every replica holds everything
     zero1     4 + 4 + 8/N        optimizer state sharded
