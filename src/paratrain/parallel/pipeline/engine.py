@@ -325,7 +325,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
 
     @property
     def world_size(self) -> int:
-        return self.mesh.stages * self.mesh.replicas * self.mesh.tensor
+        return self.degrees.devices
 
     @property
     def model(self) -> nn.Module:
@@ -334,11 +334,11 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
 
     def timeline_meta(self) -> dict[str, Any]:
         return {
-            "stages": self.mesh.stages,
+            "stages": self.degrees.stages,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule_name,
-            "replicas": self.mesh.replicas,
-            "tensor": self.mesh.tensor,
+            "replicas": self.degrees.replicas,
+            "tensor": self.degrees.tensor,
             "balance": self.balance,
             "recompute": self.recompute,
             **({"split_points": self.split_points} if self.split_points is not None else {}),

@@ -55,7 +55,7 @@ class SplitsLayersStrategy:
         if "mesh" not in metrics:
             return []
         lines = [f"  mesh              {metrics['mesh']}"]
-        if metrics.get("tensor", 1) > 1:
+        if metrics["tensor"] > 1:
             lines[0] += f" ({metrics['plan']})"
             lines.append(
                 f"  parameters/worker {metrics['parameters_per_worker']:,} of "
