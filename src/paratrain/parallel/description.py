@@ -102,6 +102,13 @@ class Strategy:
         return None if share is None else (weight + gradient + optimizer) * share * parameters
 
     @classmethod
+    def most_sharded_options(cls, workers: int) -> dict[str, Any]:
+        """The options of this strategy's most sharded layout on ``workers`` (what
+        out-of-memory advice assumes when it asks whether the strategy could fit); its
+        defaults unless a degree shards the model further."""
+        return {}
+
+    @classmethod
     def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
         """Lines the run summary adds for what the engine's ``run_metrics`` returned."""
         return []

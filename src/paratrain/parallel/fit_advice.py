@@ -44,11 +44,15 @@ def model_state_per_worker(
     **options: Any,
 ) -> float | None:
     """Bytes of weights, gradients and optimizer state one worker holds under ``strategy``
-    with its ``options`` (the strategy's own arithmetic); None where it does not model it."""
-    return strategy_class(strategy).model_state_per_worker(
+    with its ``options`` (the strategy's own arithmetic); None where it does not model it.
+    Without options, the strategy's most sharded layout on ``workers``: advice asks
+    whether a strategy could fit at all."""
+    description = strategy_class(strategy)
+    workers = max(1, workers)
+    return description.model_state_per_worker(
         parameters,
-        max(1, workers),
-        options,
+        workers,
+        options or description.most_sharded_options(workers),
         weight=weight,
         gradient=gradient,
         optimizer=optimizer,

@@ -115,6 +115,11 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         return 1.0 / layout.tensor / layout.stages
 
     @classmethod
+    def most_sharded_options(cls, workers: int) -> dict[str, Any]:
+        """One stage per worker: each holds 1/workers of balanced layers."""
+        return {STAGES.name: workers}
+
+    @classmethod
     def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
         return cls.split_summary_lines(metrics)
 
