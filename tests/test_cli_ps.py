@@ -8,7 +8,7 @@ import pytest
 
 from paratrain.checkpoints.format import load_model_state, read_manifest
 from paratrain.models import build_model
-from paratrain.parallel.ps import ParameterServerEngine, shared_memory
+from paratrain.parallel.ps import ParameterServerStrategy, shared_memory
 from paratrain.parallel.ps.shared_memory import resolve_transport
 from paratrain.reports.metrics_file import read_metrics
 from tests.test_cli_train import SHARED_DATA, run_cli
@@ -143,7 +143,7 @@ def test_the_summary_names_the_backup_workers_and_the_late_pushes_weight():
         "pushes_per_s": {0: 3.0, 1: 1.0},
         "staleness_histogram": {0: 9, 3: 2},
     }
-    lines = ParameterServerEngine.summary_lines(ps)
+    lines = ParameterServerStrategy.summary_lines(ps)
     said = "staleness bound 0 (synchronous) with 1 backup worker(s): late pushes fold in"
     assert said in lines[0]
     assert "servers           1 (shared memory)" in lines[0]
@@ -162,5 +162,5 @@ def test_the_summary_says_when_pulls_look_ahead():
         "pushes_per_s": {0: 3.0},
         "staleness_histogram": {2: 5},
     }
-    line = ParameterServerEngine.summary_lines(ps)[0]
+    line = ParameterServerStrategy.summary_lines(ps)[0]
     assert line.endswith("lr / (staleness + 1) (mean factor 0.40), lookahead pulls"), line

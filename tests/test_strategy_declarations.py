@@ -19,7 +19,7 @@ from paratrain.run.resume_config import resume_config
 def test_every_declared_option_is_a_keyword_of_the_engine(name):
     cls = strategy_class(name)
     declared = [option.name for option in cls.options]
-    assert set(declared) <= set(engine_options(cls)), name
+    assert set(declared) <= set(engine_options(cls.engine)), name
     assert len(declared) == len(set(declared)), name
 
 

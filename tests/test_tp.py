@@ -243,7 +243,7 @@ def test_the_plan_is_found_for_the_reference_models_and_kept_by_a_user_plan():
 def test_check_run_takes_tensor_groups_that_divide_the_workers():
     tp = strategy_class("tp")
     tp.check_run(RunSpec(devices=4, global_batch=8, options={"tensor": 2}))
-    assert tp.replicas(4, {"tensor": 2}) == 2 and tp.replicas(4, {}) == 1
+    assert tp.layout(4, {"tensor": 2}).replicas == 2 and tp.layout(4, {}).replicas == 1
     with pytest.raises(ValueError, match="tensor=3 does not divide 4 workers"):
         tp.check_run(RunSpec(devices=4, global_batch=8, options={"tensor": 3}))
     with pytest.raises(ValueError, match="tensor=1 splits no layer"):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from paratrain.config import ConfigError
 from paratrain.parallel import strategy_class, strategy_names
-from paratrain.parallel.strategy import TIMELINE_FILE, RecordsTimeline
+from paratrain.parallel.description import DrawsTimeline
+from paratrain.parallel.strategy import TIMELINE_FILE
 from paratrain.reports.compare import compare_rows, format_compare
 from paratrain.reports.plot import draw_runs
 from paratrain.reports.run_data import RunMetrics, load_run
@@ -69,7 +70,7 @@ def _timeline_recorder(strategy: str | None):
     recorders = [
         strategy_class(name)
         for name in strategy_names()
-        if issubclass(strategy_class(name), RecordsTimeline)
+        if issubclass(strategy_class(name), DrawsTimeline)
     ]
     by_name = {cls.name: cls for cls in recorders}
     return by_name.get(strategy, recorders[0])

@@ -3,7 +3,7 @@
 With fp32 weights and Adam, training holds per parameter 4 bytes of weight, 4 of gradient
 and 8 of optimizer state (two moments): 16 bytes. Strategies differ in how much of that
 each of N workers keeps (Rajbhandari et al., "ZeRO", 2020); each strategy states its own
-share next to its code (``Engine.model_state_per_worker``), for example:
+share next to its code (``Strategy.model_state_per_worker``), for example:
 
     dp        4 + 4 + 8          every replica holds everything
     zero1     4 + 4 + 8/N        optimizer state sharded
@@ -44,11 +44,15 @@ def model_state_per_worker(
     **options: Any,
 ) -> float | None:
     """Bytes of weights, gradients and optimizer state one worker holds under ``strategy``
-    with its ``options`` (the strategy's own arithmetic); None where it does not model it."""
-    return strategy_class(strategy).model_state_per_worker(
+    with its ``options`` (the strategy's own arithmetic); None where it does not model it.
+    Without options, the strategy's most sharded layout on ``workers``: advice asks
+    whether a strategy could fit at all."""
+    description = strategy_class(strategy)
+    workers = max(1, workers)
+    return description.model_state_per_worker(
         parameters,
-        max(1, workers),
-        options,
+        workers,
+        options or description.most_sharded_options(workers),
         weight=weight,
         gradient=gradient,
         optimizer=optimizer,

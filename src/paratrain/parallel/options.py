@@ -92,3 +92,10 @@ class RunSpec:
     max_grad_norm: float | None = None
     build_model: Callable[[], nn.Module] | None = None
     sample_inputs: Callable[[int], Any] | None = None
+
+
+def given(options: dict[str, Any], option: StrategyOption) -> Any:
+    """``option``'s value in a run's ``options``, its declared default where left out: the
+    one place a default (a pipeline's stage count) is read, so none is restated."""
+    value = options.get(option.name)
+    return option.default if value is None else value

@@ -1,8 +1,9 @@
-"""The strategy name -> engine class registry, and the options all strategies declare.
+"""The strategy name -> description registry, and the options all strategies declare.
 
 Kept apart from the Engine contract so that the modules the contract itself uses (the
 memory tracker's out-of-memory advice) can ask every strategy for its arithmetic without
-importing the contract back. Engines join with ``@register("name")``; importing
+importing the contract back. A strategy's description (``description.Strategy``) joins
+with ``@register("name")``, which names its engine class too; importing
 ``paratrain.parallel`` imports every strategy package, so all are registered by then.
 """
 
@@ -17,10 +18,14 @@ _REGISTRY: dict[str, Any] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
-    """Class decorator adding an engine class to the registry under ``name``."""
+    """Class decorator adding a strategy description to the registry under ``name``; its
+    engine class learns the name and its description (one engine class per strategy)."""
 
     def add(cls: type) -> type:
-        cls.name = name
+        if vars(cls.engine).get("strategy") not in (None, cls):
+            raise TypeError(f"{cls.engine.__name__} already runs {cls.engine.name!r}.")
+        cls.name = cls.engine.name = name
+        cls.engine.strategy = cls
         _REGISTRY[name] = cls
         return cls
 
@@ -38,7 +43,8 @@ def default_strategy() -> str:
 
 
 def strategy_class(name: str) -> Any:
-    """The engine class registered as ``name``; an unknown name is refused with the list."""
+    """The strategy described as ``name`` (its ``engine`` runs it); an unknown name is
+    refused with the list."""
     if name not in _REGISTRY:
         names = ", ".join(strategy_names())
         raise ValueError(f"unknown strategy {name!r}; choose one of: {names}.")

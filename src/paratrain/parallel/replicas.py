@@ -26,14 +26,14 @@ from torch.distributed import ProcessGroup
 from paratrain.parallel.batching import batch_size, check_divisible, take_share, to_device
 from paratrain.parallel.buffer_sync import BufferBroadcast, buffer_broadcast
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.options import RunSpec
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from paratrain.parallel.tensor.compose import SplitsLayers
 from paratrain.parallel.tensor.split import split_model
 from paratrain.runtime import comm
-from paratrain.runtime.mesh import build_mesh, check_degrees
+from paratrain.runtime.mesh import build_mesh
 
 
 class ReplicaShare(SplitsLayers):
@@ -41,45 +41,27 @@ class ReplicaShare(SplitsLayers):
     possibly a tensor group splitting its layers.
 
     The engine calls ``_join_replicas`` (which sets ``group``, ``_replicas``,
-    ``_replica_rank`` and, with a tensor degree, ``mesh``) and then ``_replicate``;
+    ``_replica_rank`` and, where ``degrees`` splits layers, ``mesh``) and then ``_replicate``;
     ``_after_eval`` lets it free what evaluation brought in (zero3's gathered parameters).
     """
 
     group: ProcessGroup | None
+    degrees: Layout
     _replicas: int
     _replica_rank: int
     _device: torch.device
     buffer_sync: BufferBroadcast | None = None
 
-    @classmethod
-    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
-        return check_degrees(devices, tensor=cls.tensor_degree(devices, options))
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """The mesh and batch, then the tensor plan on a meta-device copy of the model."""
-        super().check_run(run)
-        cls.check_tensor_plan(run)
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        return cls.tensor_share(workers, options)
-
-    @classmethod
-    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
-        return cls.split_summary_lines(metrics)
-
-    def _join_replicas(self, group: ProcessGroup | None, tensor: int | None) -> int:
-        """Place this worker among the replicas (and its tensor group); returns the tensor
-        degree. Every worker calls it (creating the mesh's groups is collective)."""
-        degree = self.tensor_degree(comm.world_size(), {"tensor": tensor})
-        if degree > 1:
+    def _join_replicas(self, group: ProcessGroup | None) -> None:
+        """Place this worker among the replicas (and its tensor group, where the layout
+        splits layers). Every worker calls it (creating the mesh's groups is collective)."""
+        if self.degrees.tp_enabled:
             if group is not None:
                 raise ValueError(
                     "group and tensor cannot be combined: the tensor degree lays out the "
                     "replicas' groups itself; leave group out."
                 )
-            self.mesh = build_mesh(tensor=degree)
+            self.mesh = build_mesh(self.degrees)
             group, self._replicas, self._replica_rank = (
                 self.mesh.dp_group,
                 self.mesh.replicas,
@@ -88,7 +70,6 @@ class ReplicaShare(SplitsLayers):
         else:
             self._replicas, self._replica_rank = comm.world_size(group), comm.rank(group)
         self.group = group
-        return degree
 
     def _replicate(
         self,

@@ -18,7 +18,9 @@ from paratrain.parallel import replica_cost
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro, to_device
 from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.cost_model import with_recompute
+from paratrain.parallel.description import Strategy
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
@@ -38,40 +40,17 @@ def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
 
 
-@register("single")
 class SingleDeviceEngine(Engine):
     """Train on this worker's device alone, ignoring any process group.
 
     Options: ``recompute`` (keep only each layer's input for backward; see ``recompute``).
     """
 
-    options = (RECOMPUTE,)
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        if run.devices != 1:
-            raise ValueError(
-                f"strategy 'single' trains on one device, but devices={run.devices}; "
-                "pass --devices 1 or choose --strategy dp."
-            )
-        super().check_run(run)
-
-    @classmethod
-    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
-        return 1, 1, 1
-
-    @classmethod
-    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
-        return with_recompute([{}], layer_list) if devices == 1 else []
-
-    @classmethod
-    def predict(cls, costs_for, machine, run, options):
-        return replica_cost.predict(costs_for(1), machine, run, options, replicas=1)
-
     def __init__(
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
@@ -82,6 +61,7 @@ class SingleDeviceEngine(Engine):
     ) -> None:
         super().__init__(
             model,
+            layout=layout,
             optimizer=optimizer,
             loss_fn=loss_fn,
             gradient_accumulation=gradient_accumulation,
@@ -145,3 +125,33 @@ class SingleDeviceEngine(Engine):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
+
+
+@register("single")
+class SingleDeviceStrategy(Strategy):
+    """One device: the reference every other strategy must equal (``recompute`` only)."""
+
+    engine = SingleDeviceEngine
+    options = (RECOMPUTE,)
+
+    @classmethod
+    def layout(cls, devices: int, options: dict[str, Any]) -> Layout:
+        """One worker, whatever the job around it (``check_run`` refuses more devices)."""
+        return Layout()
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        if run.devices != 1:
+            raise ValueError(
+                f"strategy 'single' trains on one device, but devices={run.devices}; "
+                "pass --devices 1 or choose --strategy dp."
+            )
+        super().check_run(run)
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        return with_recompute([{}], layer_list) if devices == 1 else []
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        return replica_cost.predict(costs_for(1), machine, run, options, replicas=1)

@@ -1,5 +1,6 @@
-"""The Engine contract every strategy implements, and what a strategy declares about itself.
+"""The runtime Engine contract every strategy implements: what runs a step, and its hooks.
 
+What a strategy says before any worker exists is its description (``description.py``).
 The trainer and the user's loop talk only to this interface, so they never ask which
 strategy runs them. An engine receives the GLOBAL batch on every rank and takes the share
 it needs; it returns full state in canonical names (the single-device model's own keys).
@@ -19,14 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.parallel.batching import check_divisible
 from paratrain.parallel.checkpointing import load_engine_checkpoint, save_engine_checkpoint
 from paratrain.parallel.clipping import check_max_grad_norm
-from paratrain.parallel.cost_model import CATEGORIES, MachineCosts, ModelCosts, Prediction
-from paratrain.parallel.cost_model import Run as PlanRun
+from paratrain.parallel.cost_model import CATEGORIES
+from paratrain.parallel.description import Strategy
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.metric_tally import Metric, ObservedLoss, Tally
-from paratrain.parallel.options import RunSpec, StrategyOption
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.parallel.ties import tied_names
@@ -70,18 +70,21 @@ class Engine(ABC):
     of ``self.memory``, the worker's memory ledger. An engine adopts both with a few calls
     (see ``precision.py`` and ``memory_tracking.py``; ``dp/engine.py`` is the model).
 
-    A strategy also answers, at class level and before any worker starts, what it takes
-    (``options``), what it refuses (``check_run``) and what a worker of it holds
-    (``parameter_share``, ``model_state_per_worker``): the trainer, the command line and
-    the out-of-memory advice ask every strategy the same questions.
+    What is asked before any worker starts (options, checks, memory and time arithmetic,
+    candidate layouts, summary lines) is the strategy's description (``description.py``,
+    ``self.strategy``); an engine only runs. ``layout`` (the run's degrees, built once by
+    the description) is passed by ``create_engine``, never by the user.
     """
 
     name: ClassVar[str]
+    strategy: ClassVar[type[Strategy]]
+    """The description this engine runs (set by ``register``)."""
 
     def __init__(
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
@@ -102,6 +105,8 @@ class Engine(ABC):
             raise ValueError(
                 f"gradient_accumulation must be a positive integer, not {gradient_accumulation!r}."
             )
+        self.degrees = layout
+        """The run's degrees, as the description laid them out (``create_engine``)."""
         self.loss_fn = loss_fn
         self.gradient_accumulation = gradient_accumulation
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
@@ -119,99 +124,12 @@ class Engine(ABC):
             candidates=strategy_names,
         )
 
-    # -- what the strategy declares: asked of the class, before any worker starts -----------
+    # -- what the description says, read by the running engine ------------------------------
 
-    options: ClassVar[tuple[StrategyOption, ...]] = ()
-    """The strategy's own options (each also an ``__init__`` keyword): the command line's
-    flags and the run file's keys are generated from these."""
-
-    independent_workers: ClassVar[bool] = False
-    """True where no worker ever waits on another (ps): callers then never gather over the
-    default group (a lost worker would hang it), and the run's throughput is the sum of the
-    workers' own."""
-
-    default: ClassVar[bool] = False
-    """Whether a run that names no strategy takes this one (exactly one strategy does)."""
-
-    advice_rank: ClassVar[int | None] = None
-    """Where out-of-memory advice ranks this strategy, least sharded first (each step of
-    sharding costs communication); None: never suggested."""
-
-    @classmethod
-    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
-        """How many replicas split the global batch over ``devices`` workers."""
-        return devices
-
-    @classmethod
-    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
-        """(replicas, stages, tensor) of a run on ``devices`` workers: its mesh."""
-        return cls.replicas(devices, options), 1, 1
-
-    @classmethod
-    def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
-        """Micro-batches a replica splits its share into (beyond gradient accumulation)."""
-        return 1
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """Raise ``ValueError`` (one sentence saying what to change) for a run that cannot
-        work: by default, a global batch that the replicas and micro-batches do not split."""
-        check_divisible(
-            run.global_batch,
-            replicas=cls.replicas(run.devices, run.options),
-            micro_batches=run.gradient_accumulation * cls.micro_batches_per_step(run.options),
-        )
-
-    @classmethod
-    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
-        """Engine keywords the run adds beyond the declared options (a sample, a timeout)."""
-        return {}
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        """The smallest share of the parameters one worker holds (1.0: all of them)."""
-        return 1.0
-
-    @classmethod
-    def model_state_per_worker(
-        cls,
-        parameters: int,
-        workers: int,
-        options: dict[str, Any],
-        *,
-        weight: int = 4,
-        gradient: int = 4,
-        optimizer: int = 8,
-    ) -> float:
-        """Bytes of weights, gradients and optimizer state one worker holds, for
-        ``parameters`` parameters at the given bytes per parameter (fp32 Adam by default):
-        every replica holds all of it unless the strategy says otherwise."""
-        return (weight + gradient + optimizer) * parameters
-
-    @classmethod
-    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
-        """Lines the run summary adds for what ``run_metrics`` returned."""
-        return []
-
-    @classmethod
-    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
-        """The option sets the planner proposes for this strategy on ``devices`` workers
-        (``layer_list``: whether the model is one, which recompute and stages need); none
-        by default: a strategy the planner does not model is never proposed."""
-        return []
-
-    @classmethod
-    def predict(
-        cls,
-        costs_for: Callable[[int], ModelCosts],
-        machine: MachineCosts,
-        run: PlanRun,
-        options: dict[str, Any],
-    ) -> Prediction | None:
-        """One worker's ledger at its peak and the seconds of a step for this layout, from
-        the measured costs (``costs_for(tensor)``: the model at that tensor degree); None
-        where the strategy does not model them."""
-        return None
+    @property
+    def independent_workers(self) -> bool:
+        """Whether no worker ever waits on another (see ``Strategy.independent_workers``)."""
+        return self.strategy.independent_workers
 
     def run_metrics(self) -> dict[str, Any] | None:
         """Strategy-specific figures for the run summary and metrics file (None: none)."""
@@ -388,8 +306,8 @@ class RecordsTimeline:
     """Mixin for engines that time each forward and backward (pipeline schedules).
 
     The trainer calls ``write_timeline``, which writes the run's ``timeline.jsonl``; the
-    engine's strategy draws it in ``paratrain report``. Engines without the mixin simply
-    have no timeline.
+    strategy's description (``description.DrawsTimeline``) draws it in ``paratrain
+    report``. Engines without the mixin simply have no timeline.
     """
 
     events: list[dict[str, Any]]
@@ -411,18 +329,6 @@ class RecordsTimeline:
         """Whether this worker's events go into the timeline (workers that run the same
         schedule in lockstep, a tensor group's, leave it to one of them)."""
         return True
-
-    @classmethod
-    def summarize_timeline(cls, run_dir: str | Path) -> str:
-        """The text ``paratrain report`` prints for a run's timeline."""
-        raise NotImplementedError
-
-    @classmethod
-    def report_timeline(
-        cls, run_dir: str | Path, *, out_dir: str | Path | None = None
-    ) -> dict[str, Path]:
-        """Write the run's timeline pictures and traces; returns what was written, by kind."""
-        raise NotImplementedError
 
     def write_timeline(self, run_dir: str | Path, *, last_steps: int) -> None:
         """Gather every worker's events of the last ``last_steps`` steps to rank 0, which
@@ -477,20 +383,26 @@ def require_process_group(strategy: str) -> None:
 
 
 def engine_options(cls: type[Engine]) -> list[str]:
-    """Keyword options an engine accepts, shared and strategy-specific."""
+    """Keyword options an engine accepts, shared and strategy-specific (``layout`` is the
+    description's to give, not an option)."""
     names: list[str] = []
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
             continue
         for param in inspect.signature(klass.__init__).parameters.values():
-            if param.kind is inspect.Parameter.KEYWORD_ONLY and param.name not in names:
+            if param.kind is inspect.Parameter.KEYWORD_ONLY and param.name not in {
+                *names,
+                "layout",
+            }:
                 names.append(param.name)
     return names
 
 
 def create_engine(strategy: str, model: nn.Module, **options: Any) -> Engine:
-    """Build the engine registered as ``strategy``, refusing unknown names and options."""
-    cls = strategy_class(strategy)
+    """Build the engine of the strategy registered as ``strategy`` on this job's workers,
+    refusing unknown names and options; its layout is laid out here, once."""
+    description = strategy_class(strategy)
+    cls = description.engine
     accepted = engine_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
@@ -498,7 +410,8 @@ def create_engine(strategy: str, model: nn.Module, **options: Any) -> Engine:
             f"strategy {strategy!r} does not take option(s) {', '.join(unknown)}; "
             f"it accepts: {', '.join(accepted)}."
         )
-    engine = cls(model, **options)
+    layout = description.layout(comm.world_size(), options)
+    engine = cls(model, layout=layout, **options)
     if options.get("memory_per_device") is not None and not engine.memory.watching:
         raise ValueError(
             f"strategy {strategy!r} keeps no memory ledger yet, so it cannot hold a worker to "

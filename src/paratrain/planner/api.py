@@ -3,7 +3,7 @@
 ``plan`` measures the model once per precision and tensor degree on one process
 (``measure``), takes this machine's collectives from the cache or measures them
 (``machine``), asks every registered strategy for its layouts and its prediction of each
-(``Engine.plan_layouts``, ``Engine.predict``), and ranks them (``choose``). ``predict``
+(``Strategy.plan_layouts``, ``Strategy.predict``), and ranks them (``choose``). ``predict``
 does the same for one layout the caller fixes. Inside a job (``setup(strategy="auto")``)
 ``plan_in_job`` plans on rank 0, every worker taking part in the collective
 measurements, and hands every worker the same answer.
@@ -86,7 +86,7 @@ def _agrees(name: str, layout: dict[str, Any], fixed: dict[str, Any]) -> dict[st
     """``layout`` with the caller's fixed options, or None where it has another value of an
     option the layouts search over, or the strategy does not take a fixed option."""
     cls = strategy_class(name)
-    accepted = set(engine_options(cls))
+    accepted = set(engine_options(cls.engine))
     defaults = {option.name: option.default for option in cls.options}
     for key, value in fixed.items():
         if key not in accepted:
@@ -94,6 +94,15 @@ def _agrees(name: str, layout: dict[str, Any], fixed: dict[str, Any]) -> dict[st
         if key in ENUMERATED and layout.get(key, defaults.get(key)) != value:
             return None
     return {**layout, **fixed}
+
+
+def _stages(cls: Any, devices: int, options: dict[str, Any]) -> int:
+    """The stage count a layout asks for (0 where its degrees do not fit: ``check_run``
+    then refuses it with its sentence)."""
+    try:
+        return cls.layout(devices, options).stages
+    except ValueError:
+        return 0
 
 
 def candidates(
@@ -115,7 +124,7 @@ def candidates(
         cls = strategy_class(name)
         for layout in cls.plan_layouts(devices, layer_list=listed):
             options = _agrees(name, layout, fixed)
-            if options is None or options.get("stages", 1) > layers:
+            if options is None or _stages(cls, devices, options) > layers:
                 continue
             for accumulation, precision in itertools.product(accumulations, precisions):
                 spec = RunSpec(

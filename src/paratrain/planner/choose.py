@@ -58,8 +58,8 @@ class Candidate:
 
     def mesh(self, devices: int) -> str:
         """replicas x stages x tensor, as the strategy lays out ``devices`` workers."""
-        replicas, stages, tensor = strategy_class(self.strategy).degrees(devices, self.options)
-        return f"{replicas}x{stages}x{tensor}"
+        layout = strategy_class(self.strategy).layout(devices, self.options)
+        return "x".join(str(degree) for degree in layout.as_tuple())
 
     def describe_options(self) -> str:
         parts = []

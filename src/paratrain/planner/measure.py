@@ -261,7 +261,7 @@ def measure_model(
     loss_fn: Callable[[Any, Any], Any],
     optimizer: OptimizerCost,
     precision: str = "fp32",
-    tensor: int = 1,
+    tensor: int,
     split_plan: dict[str, str] | None = None,
     samples: int | None = None,
     repeats: int = REPEATS,
@@ -270,6 +270,7 @@ def measure_model(
     """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
     ``samples`` and half as many (``samples``: the sample's own size by default; smaller
     where one run there would exceed ``SIZE_BUDGET_S``);
+    ``tensor`` is the degree a worker runs at (1: the whole model, no split);
     ``split_plan`` is the ``setup`` keyword naming which layers split how."""
     inputs, targets = sample
     available = batch_size(inputs)

@@ -6,46 +6,26 @@ Megatron use. The workers that split one layer (a tensor group) are then neighbo
 ranks, on one host or one node's NVLink, where their per-layer all-reduces belong; the
 stages of one pipeline come next, exchanging one activation per micro-batch; and each
 (stage, tensor rank)'s data-parallel group strides across the replicas, carrying one
-gradient all-reduce per step. Degrees that do not multiply to the device count are
-refused with a sentence saying what would.
+gradient all-reduce per step. The degrees come checked, from a ``Layout``
+(``parallel/layout.py``), the one place that refuses degrees the device count does not fit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
-class MeshError(ValueError):
-    """Parallel degrees that do not fit the number of workers."""
+class Degrees(Protocol):
+    """What a mesh is built from: ``parallel.layout.Layout`` (runtime imports nothing
+    above it, so it names the fields it reads rather than the class)."""
 
-
-def check_degrees(world_size: int, *, stages: int = 1, tensor: int = 1) -> int:
-    """Return the data-parallel degree, or refuse degrees that do not fit ``world_size``."""
-    for name, degree in (("stages", stages), ("tensor", tensor)):
-        if degree < 1:
-            raise MeshError(f"{name} must be at least 1, not {degree}.")
-    model_parallel = stages * tensor
-    if world_size % model_parallel:
-        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        if tensor == 1:
-            raise MeshError(
-                f"{stages} pipeline stages do not divide {world_size} workers evenly; use a "
-                f"stage count among {fits} or a multiple of {stages} workers."
-            )
-        if stages == 1:
-            raise MeshError(
-                f"tensor={tensor} does not divide {world_size} workers into equal tensor "
-                f"groups; choose tensor among {fits}, or run on a multiple of {tensor} workers."
-            )
-        raise MeshError(
-            f"{stages} stages x tensor {tensor} = {model_parallel} workers per replica do not "
-            f"divide {world_size} workers; choose stages x tensor among {fits}, or run on a "
-            f"multiple of {model_parallel} workers."
-        )
-    return world_size // model_parallel
+    replicas: int
+    stages: int
+    tensor: int
 
 
 @dataclass(frozen=True)
@@ -100,11 +80,16 @@ class Mesh:
         return " x ".join(parts)
 
 
-def build_mesh(*, stages: int = 1, tensor: int = 1) -> Mesh:
-    """This job's mesh; every rank must call it, since creating groups is collective (every
-    worker creates every group, in the same order)."""
+def build_mesh(layout: Degrees) -> Mesh:
+    """This job's mesh for ``layout``; every rank must call it, since creating groups is
+    collective (every worker creates every group, in the same order)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    replicas = check_degrees(world, stages=stages, tensor=tensor)
+    replicas, stages, tensor = layout.replicas, layout.stages, layout.tensor
+    if replicas * stages * tensor != world:
+        raise ValueError(
+            f"a layout of {replicas} x {stages} x {tensor} workers was built for another "
+            f"job than this one of {world}; build it from this job's size."
+        )
     tensor_rank = rank % tensor
     stage = (rank // tensor) % stages
     replica = rank // (tensor * stages)

@@ -40,22 +40,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel import replica_cost
 from paratrain.parallel.batching import (
     batch_size,
     check_divisible,
     split_micro,
 )
-from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.clipping import clip_distributed, clip_local
-from paratrain.parallel.cost_model import divisors, with_recompute
 from paratrain.parallel.fused_optim import with_fused_kernel
-from paratrain.parallel.grad_buckets import BUCKET_MB, BucketedGradientReducer, MiB
+from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.precision import Precision
-from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
-from paratrain.parallel.registry import register
+from paratrain.parallel.recompute import recomputing_forward
 from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
@@ -66,12 +63,9 @@ from paratrain.parallel.strategy import (
     optimizer_from_factory,
     require_process_group,
 )
-from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
-from paratrain.parallel.tensor.options import TENSOR
 from paratrain.runtime import comm
 
 
-@register("dp")
 class DataParallelEngine(ReplicaShare, Engine):
     """Replicated model, sharded batch, gradients averaged by overlapped bucketed all-reduce.
 
@@ -91,37 +85,11 @@ class DataParallelEngine(ReplicaShare, Engine):
     latency (measured: 5-10% slower steps on ``mlp`` at 2 and 4 workers).
     """
 
-    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, TENSOR)
-    default = True  # the strategy most runs want: the model fits, the batch splits
-    advice_rank = 0
-
-    @classmethod
-    def model_state_per_worker(
-        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
-    ) -> float:
-        """Everything per parameter, at the share of a worker (split layers 1/tensor)."""
-        return (weight + gradient + optimizer) * cls.parameter_share(workers, options) * parameters
-
-    @classmethod
-    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
-        """Replicas alone, and replicas x tensor for each tensor degree short of every
-        worker (that is ``tp``'s)."""
-        if devices < 2:
-            return []
-        tensors = [t for t in divisors(devices) if t < devices]
-        layouts = [{"tensor": t} if t > 1 else {} for t in tensors]
-        return with_recompute(layouts, layer_list)
-
-    @classmethod
-    def predict(cls, costs_for, machine, run, options):
-        tensor = cls.tensor_degree(run.devices, options)
-        replicas = cls.replicas(run.devices, options)
-        return replica_cost.predict(costs_for(tensor), machine, run, options, replicas)
-
     def __init__(
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
@@ -139,6 +107,7 @@ class DataParallelEngine(ReplicaShare, Engine):
     ) -> None:
         super().__init__(
             model,
+            layout=layout,
             optimizer=optimizer,
             loss_fn=loss_fn,
             gradient_accumulation=gradient_accumulation,
@@ -155,7 +124,7 @@ class DataParallelEngine(ReplicaShare, Engine):
                 f"{first_bucket_mb}."
             )
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-        self._join_replicas(group, tensor)
+        self._join_replicas(group)
         group = self.group
         self.model = self._replicate(
             model,
@@ -268,5 +237,5 @@ class DataParallelEngine(ReplicaShare, Engine):
     def layout(self) -> dict[str, Any]:
         layout = super().layout()
         if self.mesh is not None:
-            layout.update(replicas=self.mesh.replicas, tensor=self.mesh.tensor)
+            layout.update(replicas=self.degrees.replicas, tensor=self.degrees.tensor)
         return layout

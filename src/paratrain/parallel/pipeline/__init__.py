@@ -1,6 +1,8 @@
 """``strategy="pipeline"``: contiguous stages of the model, fed micro-batches.
 
+description.py      the strategy before any worker starts (layout, refusals, planning)
 engine.py           the engine (GPipe/1F1B, recompute, dp x pp hybrid)
+cost.py             the planner's arithmetic (balance, in-flight micro-batches, bubble)
 options.py          its options (stages, micro-batches, schedule, balance, split points)
 split_points.py     a model that is no layer list: stages at named blocks, who owns what
 stage_run.py        NamedStage: one stage of such a model, run through its own forward
@@ -11,6 +13,7 @@ timeline.py         the recorded timeline: reading, measured vs theoretical bubb
 timeline_report.py  timeline.png and the text of ``paratrain report``
 """
 
+from paratrain.parallel.pipeline.description import PipelineStrategy
 from paratrain.parallel.pipeline.engine import PipelineEngine
 
-__all__ = ["PipelineEngine"]
+__all__ = ["PipelineEngine", "PipelineStrategy"]

@@ -23,8 +23,18 @@ from typing import Any
 
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
 from paratrain.parallel.layer_profile import LayerProfile
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.options import given
+from paratrain.parallel.pipeline.options import (
+    BALANCE,
+    BALANCE_BY,
+    MICRO_BATCHES,
+    SCHEDULE,
+    micro_batches_per_replica,
+)
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
 from paratrain.parallel.pipeline.structure import HEADER_BYTES
+from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
 
 LOSS_BYTES = 4
@@ -32,9 +42,9 @@ LOSS_BYTES = 4
 
 def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: float):
     """The engine's balance for this model (see ``choose_balance``)."""
-    given = options.get("balance")
-    if given is not None:
-        return validate_balance(given, layers=len(unsplit.layers), stages=stages)
+    layers_per_stage = options.get(BALANCE.name)
+    if layers_per_stage is not None:
+        return validate_balance(layers_per_stage, layers=len(unsplit.layers), stages=stages)
     profiles = [
         LayerProfile(
             param_count=layer.all_param_elements,
@@ -44,7 +54,7 @@ def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: 
         )
         for layer in unsplit.layers
     ]
-    return partition(options.get("balance_by", "params"), profiles, stages)
+    return partition(given(options, BALANCE_BY), profiles, stages)
 
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
@@ -60,12 +70,12 @@ def predict(
     run: Run,
     options: dict[str, Any],
     *,
-    replicas: int,
+    layout: Layout,
 ) -> Prediction:
-    stages = options.get("stages", 2)
-    micro = options.get("micro_batches") or 2 * stages
-    schedule = options.get("schedule", "1f1b")
-    recompute = bool(options.get("recompute"))
+    replicas, stages = layout.replicas, layout.stages
+    micro = micro_batches_per_replica(stages, options.get(MICRO_BATCHES.name))
+    schedule = given(options, SCHEDULE)
+    recompute = bool(given(options, RECOMPUTE))
     rounds = run.gradient_accumulation
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages, options, samples))

@@ -43,7 +43,6 @@ rowwise layer that takes it. A model cut at named split points does not split it
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,17 +59,14 @@ from paratrain.parallel.batching import (
 )
 from paratrain.parallel.buffer_sync import BufferBroadcast
 from paratrain.parallel.clipping import clip_distributed
-from paratrain.parallel.cost_model import divisors
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, is_layer_list, layer_list
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.options import RunSpec
-from paratrain.parallel.pipeline import cost as pipeline_cost
-from paratrain.parallel.pipeline import timeline_report
-from paratrain.parallel.pipeline.options import OPTIONS
+from paratrain.parallel.pipeline.options import STAGES, micro_batches_per_replica
 from paratrain.parallel.pipeline.p2p import StageLink
 from paratrain.parallel.pipeline.partition import (
     check_stages,
@@ -90,7 +86,6 @@ from paratrain.parallel.pipeline.structure import flatten, floating
 from paratrain.parallel.pipeline.ties import CrossStageTies, layer_list_stages, release_shared
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import refuse_batchnorm
-from paratrain.parallel.registry import register
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.strategy import (
     Engine,
@@ -106,7 +101,7 @@ from paratrain.parallel.tensor.split import split_model
 from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
-from paratrain.runtime.mesh import build_mesh, check_degrees
+from paratrain.runtime.mesh import build_mesh
 
 
 def _floating_leaves(value: Any) -> list[torch.Tensor]:
@@ -147,7 +142,6 @@ def choose_balance(
     return list(decided[0])
 
 
-@register("pipeline")
 class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     """Stages of the layer list on consecutive workers, scheduled GPipe or 1F1B.
 
@@ -161,136 +155,18 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     spread over; 1 by default) and ``tp_plan`` (``setup`` only; see ``tensor/plan``).
     """
 
-    options = OPTIONS
-    advice_rank = 4  # after zero3: its stages cut at layers or named blocks
-
-    @classmethod
-    def replicas(cls, devices: int, options: dict[str, Any]) -> int:
-        tensor = cls.tensor_degree(devices, options)
-        return check_degrees(devices, stages=options.get("stages", 2), tensor=tensor)
-
-    @classmethod
-    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
-        stages, tensor = options.get("stages", 2), cls.tensor_degree(devices, options)
-        return devices // (stages * tensor), stages, tensor
-
-    @classmethod
-    def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
-        return options.get("micro_batches") or 2 * options.get("stages", 2)
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """The mesh and batch, then the stages against the model's layers (on a meta copy)."""
-        super().check_run(run)
-        if run.build_model is None:
-            return
-        stages, balance = run.options.get("stages", 2), run.options.get("balance")
-        model = run.build_model()
-        if cls.tensor_degree(run.devices, run.options) > 1:
-            refuse_tensor_for_split_points(model)
-            cls.check_tensor_plan(run)
-        if run.options.get("split_points") is not None and is_layer_list(model):
-            balance = layer_list_balance(model, run.options["split_points"], stages)
-        elif not is_layer_list(model):
-            refuse_for_split_points(
-                balance=balance,
-                balance_by=run.options.get("balance_by", "params"),
-                recompute=run.options.get("recompute", False),
-            )
-            plan_stages(model, stages, run.options.get("split_points"))
-            return
-        model_layers = layer_list(model)[0]
-        if run.options.get("recompute"):
-            refuse_batchnorm(model_layers)
-        layers = len(model_layers)
-        check_stages(layers, stages)
-        if balance is not None:
-            validate_balance(balance, layers=layers, stages=stages)
-
-    @classmethod
-    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
-        """Balancing by time or memory measures the layers on one micro-batch of inputs."""
-        if run.options.get("balance_by") not in ("time", "memory") or run.sample_inputs is None:
-            return {}
-        size = max(1, run.global_batch // cls.micro_batches_per_step(run.options))
-        return {"sample_input": run.sample_inputs(size)}
-
-    @classmethod
-    def summarize_timeline(cls, run_dir: str | Path) -> str:
-        return timeline_report.summarize(run_dir)
-
-    @classmethod
-    def report_timeline(
-        cls, run_dir: str | Path, *, out_dir: str | Path | None = None
-    ) -> dict[str, Path]:
-        return timeline_report.report(run_dir, out_dir=out_dir)
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        """A stage holds at least 1/stages of the model only if its layers balance, and of
-        that 1/tensor where every layer splits: a lower bound, for refusing a budget before
-        any worker starts."""
-        return cls.tensor_share(workers, options) / options.get("stages", workers)
-
-    @classmethod
-    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
-        return cls.split_summary_lines(metrics)
-
-    @classmethod
-    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
-        """Every stage count (2 and up) that divides the workers, with 1, 2 and 4
-        micro-batches per stage, both schedules, every tensor degree of the rest, each
-        with and without recompute. Only for a layer list: the planner measures its
-        layers one by one, which is what a stage's costs are made of (a model cut at named
-        blocks is measured whole)."""
-        if not layer_list:
-            return []
-        layouts = []
-        for stages in (s for s in divisors(devices) if s >= 2):
-            for tensor in divisors(devices // stages):
-                for micro in (stages, 2 * stages, 4 * stages):
-                    for schedule in ("1f1b", "gpipe"):
-                        for recompute in (False, True):
-                            layout = {"stages": stages, "micro_batches": micro}
-                            if schedule != "1f1b":
-                                layout["schedule"] = schedule
-                            if tensor > 1:
-                                layout["tensor"] = tensor
-                            if recompute:
-                                layout["recompute"] = True
-                            layouts.append(layout)
-        return layouts
-
-    @classmethod
-    def predict(cls, costs_for, machine, run, options):
-        tensor = cls.tensor_degree(run.devices, options)
-        return pipeline_cost.predict(
-            costs_for(tensor),
-            costs_for(1),
-            machine,
-            run,
-            options,
-            replicas=cls.replicas(run.devices, options),
-        )
-
-    @classmethod
-    def model_state_per_worker(
-        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
-    ) -> float:
-        """Each stage's share of everything (balanced stages; replicas hold copies)."""
-        return (weight + gradient + optimizer) * cls.parameter_share(workers, options) * parameters
-
     def __init__(
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
         precision: str | Precision = "fp32",
         memory_per_device: str | int | None = None,
         max_grad_norm: float | None = None,
-        stages: int = 2,
+        stages: int = STAGES.default,
         micro_batches: int | None = None,
         schedule: str = "1f1b",
         balance: list[int] | None = None,
@@ -304,6 +180,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     ) -> None:
         super().__init__(
             model,
+            layout=layout,
             optimizer=optimizer,
             loss_fn=loss_fn,
             gradient_accumulation=gradient_accumulation,
@@ -312,7 +189,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             max_grad_norm=max_grad_norm,
         )
         require_process_group(self.name)
-        tensor = self.tensor_degree(comm.world_size(), {"tensor": tensor})
+        stages, tensor = layout.stages, layout.tensor
         if tensor > 1:
             refuse_tensor_for_split_points(model)
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
@@ -325,12 +202,12 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             refuse_for_split_points(balance=balance, balance_by=balance_by, recompute=recompute)
         elif recompute:
             refuse_batchnorm(layer_list(model)[0])  # before any collective: alike everywhere
-        self.micro_batches = micro_batches or 2 * stages
+        self.micro_batches = micro_batches_per_replica(stages, micro_batches)
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
         self.schedule_name = schedule
         self.actions = get_schedule(schedule)(stages, self.micro_batches)
-        self.mesh = build_mesh(stages=stages, tensor=tensor)
+        self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerSlice | None = None
         self.named: NamedStage | None = None
@@ -448,7 +325,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
 
     @property
     def world_size(self) -> int:
-        return self.mesh.stages * self.mesh.replicas * self.mesh.tensor
+        return self.degrees.devices
 
     @property
     def model(self) -> nn.Module:
@@ -457,11 +334,11 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
 
     def timeline_meta(self) -> dict[str, Any]:
         return {
-            "stages": self.mesh.stages,
+            "stages": self.degrees.stages,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule_name,
-            "replicas": self.mesh.replicas,
-            "tensor": self.mesh.tensor,
+            "replicas": self.degrees.replicas,
+            "tensor": self.degrees.tensor,
             "balance": self.balance,
             "recompute": self.recompute,
             **({"split_points": self.split_points} if self.split_points is not None else {}),

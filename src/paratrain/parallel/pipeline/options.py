@@ -35,22 +35,37 @@ def parse_split_points(text: str | list[str]) -> list[str]:
     return names
 
 
+STAGES = StrategyOption("stages", int, 2, "pipeline stages", minimum=1)
+MICRO_BATCHES = StrategyOption(
+    "micro_batches", int, None, "micro-batches per step (default 2 x stages)", minimum=1
+)
+SCHEDULE = StrategyOption("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES))
+BALANCE = StrategyOption("balance", str, None, "layers per stage, e.g. 2,3,3", parse=parse_balance)
+BALANCE_BY = StrategyOption(
+    "balance_by", str, "params", "what stages balance by", choices=COST_CHOICES
+)
+SPLIT_POINTS = StrategyOption(
+    "split_points",
+    str,
+    None,
+    "blocks where stages start, e.g. transformer.h.2 (default: repeated blocks, balanced)",
+    parse=parse_split_points,
+)
+
 OPTIONS = (
-    StrategyOption("stages", int, 2, "pipeline stages", minimum=1),
-    StrategyOption(
-        "micro_batches", int, None, "micro-batches per step (default 2 x stages)", minimum=1
-    ),
-    StrategyOption("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
-    StrategyOption("balance", str, None, "layers per stage, e.g. 2,3,3", parse=parse_balance),
-    StrategyOption("balance_by", str, "params", "what stages balance by", choices=COST_CHOICES),
-    StrategyOption(
-        "split_points",
-        str,
-        None,
-        "blocks where stages start, e.g. transformer.h.2 (default: repeated blocks, balanced)",
-        parse=parse_split_points,
-    ),
+    STAGES,
+    MICRO_BATCHES,
+    SCHEDULE,
+    BALANCE,
+    BALANCE_BY,
+    SPLIT_POINTS,
     RECOMPUTE,
     BUCKET_MB,
     TENSOR,
 )
+
+
+def micro_batches_per_replica(stages: int, given: int | None) -> int:
+    """Micro-batches per replica and step: as given, else 2 x stages (enough to keep every
+    stage busy under 1F1B once the pipeline has filled)."""
+    return given or 2 * stages

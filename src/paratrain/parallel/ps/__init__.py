@@ -1,5 +1,6 @@
 """``strategy="ps"``: asynchronous data parallelism through parameter servers.
 
+description.py    the strategy before any worker starts (checks, summary lines)
 engine.py         the worker's engine: pull, compute its share, push; state and metrics
 options.py        its options (servers, staleness, backup workers, transport, ...)
 server.py         a server process: one shard, its optimizer, one thread per worker
@@ -20,6 +21,7 @@ checkpointing.py  checkpoints written and read by the servers (the engine's mixi
 """
 
 from paratrain.parallel.ps.client import ParameterServerLost
+from paratrain.parallel.ps.description import ParameterServerStrategy
 from paratrain.parallel.ps.engine import ParameterServerEngine
 
-__all__ = ["ParameterServerEngine", "ParameterServerLost"]
+__all__ = ["ParameterServerEngine", "ParameterServerLost", "ParameterServerStrategy"]

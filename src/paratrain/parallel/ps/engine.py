@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,8 +67,8 @@ from paratrain.parallel.batching import (
 )
 from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
-from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.ps import jobkeys, spawn
 from paratrain.parallel.ps.backup import check_backup_workers
@@ -77,14 +77,12 @@ from paratrain.parallel.ps.checkpointing import ServerCheckpoints
 from paratrain.parallel.ps.client import ServerLink
 from paratrain.parallel.ps.clipping import check_clipping
 from paratrain.parallel.ps.optimizer_spec import describe_optimizer
-from paratrain.parallel.ps.options import OPTIONS
 from paratrain.parallel.ps.protocol import GRAD_NORM_FIELD, ROUND_LOSS_FIELD, Op, ShardLayout
 from paratrain.parallel.ps.sharding import ParamSpec, assign_shards, check_servers
 from paratrain.parallel.ps.shared_memory import SharedRegion, resolve_transport
 from paratrain.parallel.ps.stale_lr import check_policy
 from paratrain.parallel.ps.staleness import check_bound
 from paratrain.parallel.ps.worker_buffers import CopiedBuffers, MappedBuffers
-from paratrain.parallel.registry import register
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
@@ -132,7 +130,6 @@ def require_launch() -> None:
         )
 
 
-@register("ps")
 class ParameterServerEngine(ServerCheckpoints, Engine):
     """Workers compute, servers own parameters and optimizer state; bounded staleness.
 
@@ -153,77 +150,11 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
     wait on a server may last). ``precision`` is "fp32", "bf16", "fp16" or a ``Precision``.
     """
 
-    options = OPTIONS
-    independent_workers: ClassVar[bool] = True
-    """No worker ever waits on another, so callers must not gather over the default group."""
-
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """Where the run starts, the straggler, backup workers and transport, then the batch."""
-        if run.external_job:
-            raise ValueError(
-                "strategy 'ps' is not supported under torchrun/Slurm (it starts its own server "
-                "processes and needs paratrain's launcher to outlive a lost worker); run "
-                "`paratrain train` directly, or use --strategy dp."
-            )
-        straggler = run.options.get("straggler")
-        if straggler is not None and straggler["rank"] >= run.devices:
-            raise ValueError(
-                f"--straggler names worker {straggler['rank']}, but the run has {run.devices} "
-                f"worker(s) (0..{run.devices - 1})."
-            )
-        check_backup_workers(
-            run.options.get("backup_workers", 0), run.options.get("staleness", 0), run.devices
-        )
-        resolve_transport(run.options.get("transport", "auto"))
-        check_clipping(run.max_grad_norm, run.options.get("backup_workers", 0))
-        if run.build_model is not None:
-            check_batchnorm(run.build_model(), run.devices)
-        super().check_run(run)
-
-    @classmethod
-    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
-        return {"timeout_s": run.timeout_s}
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> None:
-        """Not modelled before launch (its servers hold the optimizer state outside the
-        workers); each worker's ledger measures what it holds once running."""
-        return None
-
-    @classmethod
-    def model_state_per_worker(cls, parameters, workers, options, **bytes_per_parameter) -> None:
-        """Not modelled (see ``parameter_share``); never suggested by out-of-memory advice."""
-        return None
-
-    @classmethod
-    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
-        """Servers, each worker's pushes per second, the staleness histogram."""
-        bound = "none (asynchronous)" if metrics["staleness"] is None else metrics["staleness"]
-        rates = ", ".join(
-            f"worker {w}: {r:.1f}" for w, r in sorted(metrics["pushes_per_s"].items())
-        )
-        histogram = ", ".join(
-            f"{s}: {n}" for s, n in sorted(metrics["staleness_histogram"].items())
-        )
-        backup = metrics.get("backup_workers", 0)
-        transport = metrics.get("transport", "gloo").replace("_", " ")
-        if backup:
-            bound = f"{bound} (synchronous) with {backup} backup worker(s): late pushes fold in"
-        if metrics.get("staleness_lr") == "inverse" and (metrics["staleness"] != 0 or backup):
-            bound = f"{bound}, lr / (staleness + 1) (mean factor {metrics['mean_lr_factor']:.2f})"
-        if metrics.get("lookahead"):
-            bound = f"{bound}, lookahead pulls"
-        return [
-            f"  servers           {metrics['servers']} ({transport}), staleness bound {bound}",
-            f"  pushes/s          {rates}",
-            f"  push staleness    {histogram} (applied pushes by versions behind)",
-        ]
-
     def __init__(
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
@@ -241,6 +172,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
     ) -> None:
         super().__init__(
             model,
+            layout=layout,
             optimizer=optimizer,
             loss_fn=loss_fn,
             gradient_accumulation=gradient_accumulation,

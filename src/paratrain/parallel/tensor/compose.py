@@ -1,10 +1,11 @@
-"""What every engine that splits layers over a tensor group declares and reports alike.
+"""What every strategy that splits layers over a tensor group declares and reports alike.
 
 dp (and ``tp``, dp whose tensor degree defaults to every worker), zero1/2 and the pipeline
-take the ``tensor`` option and the ``tp_plan`` keyword. ``SplitsLayers`` gives them one
-answer each to the questions asked before any worker starts (the degree, the plan checked
-on a meta-device model, the share of the parameters a worker holds) and one summary of
-the split after the run, so no engine spells them out a second time.
+take the ``tensor`` option and the ``tp_plan`` keyword. ``SplitsLayersStrategy`` gives
+their descriptions one answer each to the questions asked before any worker starts (the
+tensor degree, the plan checked on a meta-device model, the share of the parameters a
+worker holds, the summary lines), and ``SplitsLayers`` their engines one way to report
+the split after the run, so no strategy spells them out a second time.
 """
 
 from __future__ import annotations
@@ -13,26 +14,26 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from paratrain.parallel.options import RunSpec
+from paratrain.parallel.options import RunSpec, given
 from paratrain.parallel.tensor import mappings
+from paratrain.parallel.tensor.options import PLAN_KEYWORD, TENSOR
 from paratrain.parallel.tensor.plan import resolve_plan
 from paratrain.parallel.tensor.split import TensorSplit
 from paratrain.runtime.mesh import Mesh
 
 
-class SplitsLayers:
-    """Mixin for an Engine taking ``tensor``; the engine sets ``tensor_split`` (None where
-    its degree is 1) and ``mesh`` once it has split its model."""
+class SplitsLayersStrategy:
+    """Mixin for a strategy description taking ``tensor``: the degree its ``layout``
+    uses, the plan check, the share and the summary lines."""
 
-    tensor_split: TensorSplit | None = None
-    mesh: Mesh | None = None
     tensor_by_default: ClassVar[bool] = False
     """Whether a run that leaves ``tensor`` out splits over every worker (``tp``)."""
 
     @classmethod
     def tensor_degree(cls, devices: int, options: dict[str, Any]) -> int:
-        """The tensor degree a run of ``devices`` workers with ``options`` gets."""
-        tensor = options.get("tensor")
+        """The tensor degree a run of ``devices`` workers with ``options`` gets: the one
+        place the ``tensor`` option's default is resolved."""
+        tensor = given(options, TENSOR)
         if tensor is None:
             return devices if cls.tensor_by_default else 1
         if cls.tensor_by_default and tensor == 1 < devices:
@@ -43,22 +44,10 @@ class SplitsLayers:
         return tensor
 
     @classmethod
-    def degrees(cls, devices: int, options: dict[str, Any]) -> tuple[int, int, int]:
-        tensor = cls.tensor_degree(devices, options)
-        return devices // tensor, 1, tensor
-
-    @classmethod
-    def check_tensor_plan(cls, run: RunSpec) -> None:
+    def check_tensor_plan(cls, run: RunSpec, tensor: int) -> None:
         """Refuse, before any worker starts, a model whose layers the plan cannot split."""
-        tensor = cls.tensor_degree(run.devices, run.options)
         if tensor > 1 and run.build_model is not None:
-            resolve_plan(run.build_model(), tensor, run.options.get("tp_plan"))
-
-    @classmethod
-    def tensor_share(cls, devices: int, options: dict[str, Any]) -> float:
-        """1/tensor: the share of a split layer a worker holds (a lower bound for the
-        whole model, whose replicated tensors every member holds whole)."""
-        return 1.0 / cls.tensor_degree(devices, options)
+            resolve_plan(run.build_model(), tensor, run.options.get(PLAN_KEYWORD))
 
     @classmethod
     def split_summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
@@ -66,13 +55,21 @@ class SplitsLayers:
         if "mesh" not in metrics:
             return []
         lines = [f"  mesh              {metrics['mesh']}"]
-        if metrics.get("tensor", 1) > 1:
+        if metrics["tensor"] > 1:
             lines[0] += f" ({metrics['plan']})"
             lines.append(
                 f"  parameters/worker {metrics['parameters_per_worker']:,} of "
                 f"{metrics['parameters']:,} (split layers 1/{metrics['tensor']} each)"
             )
         return lines
+
+
+class SplitsLayers:
+    """Mixin for an Engine taking ``tensor``; the engine sets ``tensor_split`` (None where
+    its degree is 1) and ``mesh`` once it has split its model."""
+
+    tensor_split: TensorSplit | None = None
+    mesh: Mesh | None = None
 
     def split_metrics(self, held: list[nn.Parameter], parameters: int) -> dict[str, Any]:
         """The figures ``split_summary_lines`` prints, for the run metrics (``held``: this

@@ -85,16 +85,13 @@ from paratrain.parallel.batching import (
     check_divisible,
     split_micro,
 )
-from paratrain.parallel.buffer_sync import BROADCAST_BUFFERS
 from paratrain.parallel.clipping import clip_distributed
-from paratrain.parallel.cost_model import divisors, with_recompute
-from paratrain.parallel.grad_buckets import BUCKET_MB, MiB, plan_buckets
+from paratrain.parallel.grad_buckets import MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
-from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
-from paratrain.parallel.registry import register
+from paratrain.parallel.recompute import recomputing_forward
 from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
@@ -104,9 +101,6 @@ from paratrain.parallel.strategy import (
     StepStats,
     require_process_group,
 )
-from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
-from paratrain.parallel.tensor.options import TENSOR
-from paratrain.parallel.zero import cost as zero_cost
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
 from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
@@ -114,7 +108,7 @@ from paratrain.parallel.zero.groups import learn_groups
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.reach import reachable_leaves
 from paratrain.parallel.zero.shards import FlatUnit, trainable
-from paratrain.parallel.zero.units import UNITS, UnitSpec, unit_modules
+from paratrain.parallel.zero.units import UnitSpec, check_units, unit_modules
 from paratrain.parallel.zero.unused import ShardPieces, make_pieces
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
@@ -129,6 +123,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
@@ -145,6 +140,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
     ) -> None:
         super().__init__(
             model,
+            layout=layout,
             optimizer=optimizer,
             loss_fn=loss_fn,
             gradient_accumulation=gradient_accumulation,
@@ -163,7 +159,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         # Built before any collective: it refuses models recompute cannot segment.
         self._segments = recomputing_forward(model) if recompute else None
         require_process_group(self.name)
-        self._join_replicas(group, tensor)
+        self._join_replicas(group)
         group = self.group
         self.model = self._replicate(
             model,
@@ -392,31 +388,14 @@ class _ReplicatedParameters(ZeroEngine):
     """Stages 1-2: the full parameters stay on every rank; units are ``bucket_mb`` buckets.
     With ``tensor``, the full parameters of this worker's slices."""
 
-    options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, TENSOR)
-
     def run_metrics(self) -> dict[str, Any] | None:
         return self.split_metrics(list(self.model.parameters()), self._parameters) or None
-
-    @classmethod
-    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
-        """Sharding over every worker, or over the replicas of each tensor degree."""
-        if devices < 2:
-            return []
-        tensors = [t for t in divisors(devices) if t < devices]
-        return with_recompute([{"tensor": t} if t > 1 else {} for t in tensors], layer_list)
-
-    @classmethod
-    def predict(cls, costs_for, machine, run, options):
-        tensor = cls.tensor_degree(run.devices, options)
-        replicas = cls.replicas(run.devices, options)
-        return zero_cost.predict(
-            costs_for(tensor), machine, run, options, stage=cls.stage, replicas=replicas
-        )
 
     def __init__(
         self,
         model: nn.Module,
         *,
+        layout: Layout,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         gradient_accumulation: int = 1,
@@ -437,6 +416,7 @@ class _ReplicatedParameters(ZeroEngine):
         self._bucket_bytes = int(bucket_mb * MiB)
         super().__init__(
             model,
+            layout=layout,
             optimizer=optimizer,
             loss_fn=loss_fn,
             gradient_accumulation=gradient_accumulation,
@@ -478,7 +458,6 @@ class _ReplicatedParameters(ZeroEngine):
         return [self._unit(f"bucket{i}", named) for i, named in enumerate(planned)], None
 
 
-@register("zero1")
 class Zero1Engine(_ReplicatedParameters):
     """ZeRO stage 1: optimizer state sharded; parameters and gradients whole on every rank.
 
@@ -492,20 +471,8 @@ class Zero1Engine(_ReplicatedParameters):
     """
 
     stage = 1
-    advice_rank = 1
-
-    @classmethod
-    def model_state_per_worker(
-        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
-    ) -> float:
-        """Weights and gradients whole, optimizer state 1/replicas (of a worker's share:
-        split layers 1/tensor)."""
-        replicas = cls.replicas(workers, options)
-        share = cls.parameter_share(workers, options) * parameters
-        return (weight + gradient + optimizer / replicas) * share
 
 
-@register("zero2")
 class Zero2Engine(_ReplicatedParameters):
     """ZeRO stage 2: optimizer state and gradients sharded; parameters whole on every rank.
 
@@ -513,19 +480,8 @@ class Zero2Engine(_ReplicatedParameters):
     """
 
     stage = 2
-    advice_rank = 2
-
-    @classmethod
-    def model_state_per_worker(
-        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
-    ) -> float:
-        """Weights whole; gradients and optimizer state 1/replicas (of a worker's share)."""
-        replicas = cls.replicas(workers, options)
-        share = cls.parameter_share(workers, options) * parameters
-        return (weight + (gradient + optimizer) / replicas) * share
 
 
-@register("zero3")
 class Zero3Engine(ZeroEngine):
     """ZeRO stage 3: parameters, gradients and optimizer state all sharded.
 
@@ -537,8 +493,6 @@ class Zero3Engine(ZeroEngine):
     """
 
     stage = 3
-    options = (RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, UNITS)
-    advice_rank = 3
 
     def __init__(self, model: nn.Module, *, units: UnitSpec | None = None, **options: Any) -> None:
         """``units`` as above; every other option as ``ZeroEngine`` takes it. The spec is
@@ -546,52 +500,8 @@ class Zero3Engine(ZeroEngine):
         self._unit_spec = units
         super().__init__(model, **options)
 
-    @classmethod
-    def check_run(cls, run: RunSpec) -> None:
-        """The batch, then the ``units`` entries and ``recompute`` against a meta copy."""
-        super().check_run(run)
-        units, recompute = run.options.get("units"), run.options.get("recompute", False)
-        if units is not None and run.build_model is not None:
-            cls._check_units(run.build_model(), units, recompute)
-
-    @classmethod
-    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
-        return 1.0 / workers
-
-    @classmethod
-    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
-        return with_recompute([{}], layer_list) if devices > 1 else []
-
-    @classmethod
-    def predict(cls, costs_for, machine, run, options):
-        return zero_cost.predict(costs_for(1), machine, run, options, stage=3, replicas=run.devices)
-
-    @classmethod
-    def model_state_per_worker(
-        cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
-    ) -> float:
-        """Everything 1/N (a gathered unit's transient full copy is not model state)."""
-        return (weight + gradient + optimizer) / workers * parameters
-
     def _check_layout(self, model: nn.Module) -> None:
-        self._check_units(model, self._unit_spec, self.recompute)
-
-    @staticmethod
-    def _check_units(model: nn.Module, units: UnitSpec | None, recompute: bool) -> None:
-        unit_modules(model, units)
-        if recompute and not isinstance(model, nn.Sequential):
-            raise ValueError(
-                f"zero3 with recompute=True needs the model itself to be an nn.Sequential "
-                f"(its layers are both the sharded units and the recomputed segments), not "
-                f"{type(model).__name__}; pass the layer list as the model, or use "
-                "recompute=False or strategy='zero2'."
-            )
-        if recompute and units is not None:
-            raise ValueError(
-                "zero3 with recompute=True shards the layers of the nn.Sequential as units "
-                "(they are also the recomputed segments), so it takes no units option; drop "
-                "units= or recompute=True."
-            )
+        check_units(model, self._unit_spec, self.recompute)
 
     def _build_units(self) -> tuple[list[FlatUnit], ParameterGatherer]:
         modules = unit_modules(self.model, self._unit_spec)

@@ -246,3 +246,22 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
 
 def _show(entry: object) -> str:
     return entry.__name__ if isinstance(entry, type) else repr(entry)
+
+
+def check_units(model: nn.Module, units: UnitSpec | None, recompute: bool) -> None:
+    """Refuse ``units`` entries that name nothing, and ``recompute`` where zero3 cannot
+    segment the model: asked before launch (on a meta copy) and again by the engine."""
+    unit_modules(model, units)
+    if recompute and not isinstance(model, nn.Sequential):
+        raise ValueError(
+            f"zero3 with recompute=True needs the model itself to be an nn.Sequential "
+            f"(its layers are both the sharded units and the recomputed segments), not "
+            f"{type(model).__name__}; pass the layer list as the model, or use "
+            "recompute=False or strategy='zero2'."
+        )
+    if recompute and units is not None:
+        raise ValueError(
+            "zero3 with recompute=True shards the layers of the nn.Sequential as units "
+            "(they are also the recomputed segments), so it takes no units option; drop "
+            "units= or recompute=True."
+        )

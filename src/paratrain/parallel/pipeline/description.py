@@ -1,0 +1,156 @@
+"""``pipeline`` described before any worker starts: its layout, refusals, costs, report.
+
+The stage count and the tensor degree come from the options once (``layout``); the checks
+cut a meta-device copy of the model as the engine would (layers per stage, split points,
+recompute, the tensor plan), so a run that cannot be cut is refused before launch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from paratrain.parallel.cost_model import divisors
+from paratrain.parallel.description import DrawsTimeline, Strategy
+from paratrain.parallel.layers import is_layer_list, layer_list
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.options import RunSpec, given
+from paratrain.parallel.pipeline import cost as pipeline_cost
+from paratrain.parallel.pipeline import timeline_report
+from paratrain.parallel.pipeline.engine import PipelineEngine
+from paratrain.parallel.pipeline.options import (
+    BALANCE,
+    BALANCE_BY,
+    MICRO_BATCHES,
+    OPTIONS,
+    SPLIT_POINTS,
+    STAGES,
+    micro_batches_per_replica,
+)
+from paratrain.parallel.pipeline.partition import check_stages, validate_balance
+from paratrain.parallel.pipeline.split_points import (
+    layer_list_balance,
+    plan_stages,
+    refuse_for_split_points,
+    refuse_tensor_for_split_points,
+)
+from paratrain.parallel.recompute import RECOMPUTE, refuse_batchnorm
+from paratrain.parallel.registry import register
+from paratrain.parallel.tensor.compose import SplitsLayersStrategy
+
+
+@register("pipeline")
+class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
+    """Stages of the model on consecutive workers (see ``PipelineEngine`` for the options)."""
+
+    engine = PipelineEngine
+    options = OPTIONS
+    advice_rank = 4  # after zero3: its stages cut at layers or named blocks
+
+    @classmethod
+    def layout(cls, devices: int, options: dict[str, Any]) -> Layout:
+        return Layout.over(
+            devices, stages=given(options, STAGES), tensor=cls.tensor_degree(devices, options)
+        )
+
+    @classmethod
+    def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
+        return micro_batches_per_replica(given(options, STAGES), options.get(MICRO_BATCHES.name))
+
+    @classmethod
+    def check_run(cls, run: RunSpec) -> None:
+        """The mesh and batch, then the stages against the model's layers (on a meta copy)."""
+        super().check_run(run)
+        if run.build_model is None:
+            return
+        layout = cls.layout(run.devices, run.options)
+        stages, balance = layout.stages, run.options.get(BALANCE.name)
+        split_points = run.options.get(SPLIT_POINTS.name)
+        model = run.build_model()
+        if layout.tp_enabled:
+            refuse_tensor_for_split_points(model)
+            cls.check_tensor_plan(run, layout.tensor)
+        if split_points is not None and is_layer_list(model):
+            balance = layer_list_balance(model, split_points, stages)
+        elif not is_layer_list(model):
+            refuse_for_split_points(
+                balance=balance,
+                balance_by=given(run.options, BALANCE_BY),
+                recompute=given(run.options, RECOMPUTE),
+            )
+            plan_stages(model, stages, split_points)
+            return
+        model_layers = layer_list(model)[0]
+        if given(run.options, RECOMPUTE):
+            refuse_batchnorm(model_layers)
+        layers = len(model_layers)
+        check_stages(layers, stages)
+        if balance is not None:
+            validate_balance(balance, layers=layers, stages=stages)
+
+    @classmethod
+    def launch_options(cls, run: RunSpec) -> dict[str, Any]:
+        """Balancing by time or memory measures the layers on one micro-batch of inputs."""
+        if given(run.options, BALANCE_BY) not in ("time", "memory") or run.sample_inputs is None:
+            return {}
+        size = max(1, run.global_batch // cls.micro_batches_per_step(run.options))
+        return {"sample_input": run.sample_inputs(size)}
+
+    @classmethod
+    def summarize_timeline(cls, run_dir: str | Path) -> str:
+        return timeline_report.summarize(run_dir)
+
+    @classmethod
+    def report_timeline(
+        cls, run_dir: str | Path, *, out_dir: str | Path | None = None
+    ) -> dict[str, Path]:
+        return timeline_report.report(run_dir, out_dir=out_dir)
+
+    @classmethod
+    def parameter_share(cls, workers: int, options: dict[str, Any]) -> float:
+        """A stage holds at least 1/stages of the model only if its layers balance, and of
+        that 1/tensor where every layer splits: a lower bound, for refusing a budget before
+        any worker starts (so also the model state a worker holds: replicas hold copies)."""
+        layout = cls.layout(workers, options)
+        return 1.0 / layout.tensor / layout.stages
+
+    @classmethod
+    def most_sharded_options(cls, workers: int) -> dict[str, Any]:
+        """One stage per worker: each holds 1/workers of balanced layers."""
+        return {STAGES.name: workers}
+
+    @classmethod
+    def summary_lines(cls, metrics: dict[str, Any]) -> list[str]:
+        return cls.split_summary_lines(metrics)
+
+    @classmethod
+    def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
+        """Every stage count (2 and up) that divides the workers, with 1, 2 and 4
+        micro-batches per stage, both schedules, every tensor degree of the rest, each
+        with and without recompute. Only for a layer list: the planner measures its
+        layers one by one, which is what a stage's costs are made of (a model cut at named
+        blocks is measured whole)."""
+        if not layer_list:
+            return []
+        layouts = []
+        for stages in (s for s in divisors(devices) if s >= 2):
+            for tensor in divisors(devices // stages):
+                for micro in (stages, 2 * stages, 4 * stages):
+                    for schedule in ("1f1b", "gpipe"):
+                        for recompute in (False, True):
+                            layout = {"stages": stages, "micro_batches": micro}
+                            if schedule != "1f1b":
+                                layout["schedule"] = schedule
+                            if tensor > 1:
+                                layout["tensor"] = tensor
+                            if recompute:
+                                layout["recompute"] = True
+                            layouts.append(layout)
+        return layouts
+
+    @classmethod
+    def predict(cls, costs_for, machine, run, options):
+        layout = cls.layout(run.devices, options)
+        return pipeline_cost.predict(
+            costs_for(layout.tensor), costs_for(1), machine, run, options, layout=layout
+        )
