@@ -3,10 +3,10 @@
 A replica takes its contiguous share of the global batch, and evaluation is that share's
 mean loss averaged over the replicas with one all-reduce. Sharding the model state (ZeRO)
 changes neither, so both engines inherit them from here rather than each keeping a copy.
-So is how a replica starts: BatchNorm layers synchronised where asked
-(``sync_batchnorm``), parameters and buffers equal to the first replica's, a random
-stream of its own (``replica_rng``), and buffers kept equal as DDP keeps them
-(``buffer_sync``).
+So are how a replica starts (``replica_builder``: BatchNorm layers synchronised where
+asked, parameters and buffers equal to the first replica's, a random stream of its own,
+buffers kept equal as DDP keeps them) and the training step (``data_parallel_step``, with
+the strategy's gradient reducer plugged in).
 
 With a tensor degree above 1 the workers form ``replicas x tensor`` (``runtime/mesh``,
 tensor innermost): every worker starts from rank 0's model, each tensor group splits its
@@ -17,6 +17,7 @@ over that group unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,25 +25,27 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from paratrain.parallel.batching import batch_size, check_divisible, take_share, to_device
-from paratrain.parallel.buffer_sync import BufferBroadcast, buffer_broadcast
+from paratrain.parallel.buffer_sync import BufferBroadcast
+from paratrain.parallel.data_parallel_step import DataParallelStep, GradientReducer
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.replica_rng import separate_streams
-from paratrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from paratrain.parallel.replica_builder import Replica, build_replica, place_replicas
+from paratrain.parallel.strategy import StepStats
 from paratrain.parallel.tensor.compose import SplitsLayers
-from paratrain.parallel.tensor.split import split_model
 from paratrain.runtime import comm
-from paratrain.runtime.mesh import build_mesh
 
 
 class ReplicaShare(SplitsLayers):
     """Mixin for an Engine whose workers are replicas over ``group``, each replica
     possibly a tensor group splitting its layers.
 
-    The engine calls ``_join_replicas`` (which sets ``group``, ``_replicas``,
-    ``_replica_rank`` and, where ``degrees`` splits layers, ``mesh``) and then ``_replicate``;
-    ``_after_eval`` lets it free what evaluation brought in (zero3's gathered parameters).
+    The engine calls ``_become_replica`` once, which builds the replica
+    (``replica_builder.build_replica``) and sets, from what it returns, every attribute
+    the methods here read: ``group``, ``_replicas``, ``_replica_rank``, ``mesh``,
+    ``tensor_split``, ``buffer_sync``; then ``_plug_step`` with its gradient reducer, which
+    ``train_step`` runs. ``_after_eval`` lets the engine free what evaluation brought in
+    (zero3's gathered parameters).
     """
 
     group: ProcessGroup | None
@@ -51,53 +54,62 @@ class ReplicaShare(SplitsLayers):
     _replica_rank: int
     _device: torch.device
     buffer_sync: BufferBroadcast | None = None
+    data_parallel_step: DataParallelStep
 
-    def _join_replicas(self, group: ProcessGroup | None) -> None:
-        """Place this worker among the replicas (and its tensor group, where the layout
-        splits layers). Every worker calls it (creating the mesh's groups is collective)."""
-        if self.degrees.tp_enabled:
-            if group is not None:
-                raise ValueError(
-                    "group and tensor cannot be combined: the tensor degree lays out the "
-                    "replicas' groups itself; leave group out."
-                )
-            self.mesh = build_mesh(self.degrees)
-            group, self._replicas, self._replica_rank = (
-                self.mesh.dp_group,
-                self.mesh.replicas,
-                self.mesh.replica,
-            )
-        else:
-            self._replicas, self._replica_rank = comm.world_size(group), comm.rank(group)
-        self.group = group
-
-    def _replicate(
+    def _become_replica(
         self,
         model: nn.Module,
         *,
+        group: ProcessGroup | None,
         broadcast_buffers: bool,
         sync_batchnorm: bool,
-        tp_plan: dict[str, str] | None = None,
-    ) -> nn.Module:
-        """``model`` on this replica's device, equal to the first replica's, with its own
-        random stream, its layers split where this worker is in a tensor group; every
-        worker calls it once ``_join_replicas`` placed it."""
-        if sync_batchnorm:
-            model = convert_sync_batchnorm(model, group=self.group)
-        model = model.to(self._device)
-        if self.mesh is not None and self.mesh.tensor > 1:
-            # every tensor group cuts its slices from one model, rank 0's
-            comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0)
-            separate_streams()
-            self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan)
-            self.tensor_split.share_stream(self._device)
-        else:
-            comm.broadcast_tensors([*model.parameters(), *model.buffers()], src=0, group=self.group)
-            separate_streams(group=self.group)
-        self.buffer_sync = buffer_broadcast(
-            model, group=self.group, enabled=broadcast_buffers, skip=(SyncBatchNorm,)
+        tp_plan: dict[str, str] | None,
+        recompute: bool,
+    ) -> Replica:
+        """Place this worker and build its replica (``replica_builder``: the steps in
+        their order), keeping what the shared methods below read; every worker calls it."""
+        place = place_replicas(group, self.degrees)
+        self.group, self._replicas, self._replica_rank = place.group, place.replicas, place.rank
+        self.mesh = place.mesh
+        replica = build_replica(
+            model,
+            place=place,
+            device=self._device,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
+            tp_plan=tp_plan,
+            recompute=recompute,
         )
-        return model
+        self.tensor_split, self.buffer_sync = replica.tensor_split, replica.buffer_sync
+        return replica
+
+    def _plug_step(self, reducer: GradientReducer, forward: Callable[[Any], Any]) -> None:
+        """Build this engine's step (``data_parallel_step``) from its replica and the
+        gradient reducer its strategy plugs in; called once, at the end of ``__init__``."""
+        self.data_parallel_step = DataParallelStep(
+            model=self.model,
+            forward=forward,
+            reducer=reducer,
+            optimizer=self.optimizer,
+            precision=self.precision,
+            memory=self.memory,
+            device=self._device,
+            replicas=self._replicas,
+            gradient_accumulation=self.gradient_accumulation,
+            max_grad_norm=self.max_grad_norm,
+            share=self._share,
+            sync_buffers=self._sync_buffers,
+        )
+
+    def train_step(self, inputs: Any, targets: Any) -> StepStats:
+        """One step of the shared outline with this engine's reducer."""
+        done = self.data_parallel_step.run(
+            inputs, targets, loss_fn=self.loss_fn, step=self.steps_taken
+        )
+        if done.grad_norm is not None:
+            self._grad_norm = done.grad_norm
+        self.steps_taken += 1
+        return self._step_stats(done.loss, done.samples, done.comm_bytes)
 
     def _sync_buffers(self, *, training: bool) -> None:
         """Before a step's first forward (``training``) or an evaluation: see ``buffer_sync``."""

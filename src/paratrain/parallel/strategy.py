@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.parallel.checkpointing import load_engine_checkpoint, save_engine_checkpoint
-from paratrain.parallel.clipping import check_max_grad_norm
 from paratrain.parallel.cost_model import CATEGORIES
 from paratrain.parallel.description import Strategy
+from paratrain.parallel.engine_settings import EngineSettings, LossFn, OptimizerFactory
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.metric_tally import Metric, ObservedLoss, Tally
@@ -33,9 +33,6 @@ from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 from paratrain.runtime.memory import model_state_bytes
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -94,22 +91,19 @@ class Engine(ABC):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "optimizer must be a factory such as `lambda params: torch.optim.Adam(params)`, "
-                "because the strategy decides which parameters each worker optimizes."
-            )
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(outputs, targets) -> mean loss.")
-        if not isinstance(gradient_accumulation, int) or gradient_accumulation < 1:
-            raise ValueError(
-                f"gradient_accumulation must be a positive integer, not {gradient_accumulation!r}."
-            )
+        self.settings = EngineSettings(
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            gradient_accumulation=gradient_accumulation,
+            precision=precision,
+            memory_per_device=memory_per_device,
+            max_grad_norm=max_grad_norm,
+        )
         self.degrees = layout
         """The run's degrees, as the description laid them out (``create_engine``)."""
         self.loss_fn = loss_fn
         self.gradient_accumulation = gradient_accumulation
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.max_grad_norm = self.settings.max_grad_norm
         self._grad_norm: float | None = None  # the last step's, where clipping is on
         self.steps_taken = 0
         self._device = current_device()

@@ -291,39 +291,73 @@ def measure_model(
         large = _affordable_size(whole_run, min(samples or available, available))
         small = max(1, large // 2)
         for size in sorted({small, large}):
-            trace = _Trace(subject, layers)
-            calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
-            micro_in, micro_tgt = _first(inputs, size), _first(targets, size)
-            trace.run(micro_in, micro_tgt, loss_fn, autocast_of(device))
-            messages = sum(mappings.CALLS.values()) - calls_before
-            payload = sum(mappings.BYTES.values()) - bytes_before
-            times = [
-                _layer_times(layer, trace.inputs[i], lambda: autocast_of(device), repeats)
-                if trace.inputs[i] is not None
-                else (0.0, 0.0)
-                for i, layer in enumerate(layers)
-            ]
+            micro = (_first(inputs, size), _first(targets, size))
+            points[size] = _measure_point(
+                subject, layers, micro, loss_fn, lambda: autocast_of(device), repeats
+            )
             whole = median_seconds(lambda size=size: whole_run(size), repeats)
+            times = points[size]["times"]
             alone = sum(t[1] for t in times)
             if alone > 0:  # each layer's share of the whole model's forward and backward
                 scale = whole / alone
-                times = [(f * scale, fb * scale) for f, fb in times]
-            points[size] = {
-                "trace": trace,
-                "times": times,
-                "messages": messages,
-                "bytes": payload,
-            }
+                points[size]["times"] = [(f * scale, fb * scale) for f, fb in times]
     lo, hi = points[small], points[large]
 
     def line(get: Callable[[dict], float]) -> Line:
         return Line.through((small, get(lo)), (large, get(hi)))
 
-    costs = []
-
     def batch_line(kind: str) -> Line:
         return line(lambda p: p["trace"].batch_saved[kind])
 
+    costs = _layer_costs(subject, layers, listed, line)
+    return ModelCosts(
+        layers=tuple(costs),
+        layer_list=listed,
+        tensor=tensor,
+        precision=precision,
+        parameters=parameters,
+        optimizer=optimizer,
+        tensor_messages=line(lambda p: p["messages"]),
+        tensor_bytes=line(lambda p: p["bytes"]),
+        inputs_saved=batch_line("inputs"),
+        targets_saved=batch_line("targets"),
+        loss_saved=batch_line("loss"),
+    )
+
+
+def _measure_point(
+    subject: nn.Module,
+    layers: list[nn.Module],
+    micro: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], Any],
+    autocast: Callable[[], Any],
+    repeats: int,
+) -> dict[str, Any]:
+    """One micro-batch size's trace (what autograd saves, per layer), the split layers'
+    messages and bytes, and each layer's (forward, forward+backward) seconds alone."""
+    trace = _Trace(subject, layers)
+    calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
+    trace.run(micro[0], micro[1], loss_fn, autocast())
+    messages = sum(mappings.CALLS.values()) - calls_before
+    payload = sum(mappings.BYTES.values()) - bytes_before
+    times = [
+        _layer_times(layer, trace.inputs[i], autocast, repeats)
+        if trace.inputs[i] is not None
+        else (0.0, 0.0)
+        for i, layer in enumerate(layers)
+    ]
+    return {"trace": trace, "times": times, "messages": messages, "bytes": payload}
+
+
+def _layer_costs(
+    subject: nn.Module,
+    layers: list[nn.Module],
+    listed: bool,
+    line: Callable[[Callable[[dict], float]], Line],
+) -> list[LayerCost]:
+    """Each layer's ``LayerCost``: its parameters counted, its measured figures as lines
+    through the two micro-batch sizes (``line``)."""
+    costs = []
     for i, layer in enumerate(layers):
         trainable = [p for p in layer.parameters() if p.requires_grad]
         frozen = [p for p in layer.parameters() if not p.requires_grad]
@@ -344,19 +378,7 @@ def measure_model(
                 forward_s=line(lambda p, i=i: p["times"][i][0]),
             )
         )
-    return ModelCosts(
-        layers=tuple(costs),
-        layer_list=listed,
-        tensor=tensor,
-        precision=precision,
-        parameters=parameters,
-        optimizer=optimizer,
-        tensor_messages=line(lambda p: p["messages"]),
-        tensor_bytes=line(lambda p: p["bytes"]),
-        inputs_saved=batch_line("inputs"),
-        targets_saved=batch_line("targets"),
-        loss_saved=batch_line("loss"),
-    )
+    return costs
 
 
 def _layer_name(model: nn.Module, layer: nn.Module, listed: bool) -> str:

@@ -40,30 +40,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.batching import (
-    batch_size,
-    check_divisible,
-    split_micro,
-)
-from paratrain.parallel.clipping import clip_distributed, clip_local
+from paratrain.parallel.dp.all_reduce import AllReduceGradients
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.precision import Precision
-from paratrain.parallel.recompute import recomputing_forward
 from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
     Engine,
-    LossFn,
-    OptimizerFactory,
-    StepStats,
     optimizer_from_factory,
     require_process_group,
 )
-from paratrain.runtime import comm
 
 
 class DataParallelEngine(ReplicaShare, Engine):
@@ -90,12 +78,6 @@ class DataParallelEngine(ReplicaShare, Engine):
         model: nn.Module,
         *,
         layout: Layout,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        gradient_accumulation: int = 1,
-        precision: str | Precision = "fp32",
-        memory_per_device: str | int | None = None,
-        max_grad_norm: float | None = None,
         bucket_mb: float = 25.0,
         first_bucket_mb: float | None = None,
         group: ProcessGroup | None = None,
@@ -104,17 +86,10 @@ class DataParallelEngine(ReplicaShare, Engine):
         sync_batchnorm: bool = False,
         tensor: int | None = None,
         tp_plan: dict[str, str] | None = None,
+        **shared: Any,
     ) -> None:
-        super().__init__(
-            model,
-            layout=layout,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            gradient_accumulation=gradient_accumulation,
-            precision=precision,
-            memory_per_device=memory_per_device,
-            max_grad_norm=max_grad_norm,
-        )
+        """dp's options as above; ``shared``: every engine's (``EngineSettings``)."""
+        super().__init__(model, layout=layout, **shared)
         require_process_group(self.name)
         if first_bucket_mb is None:
             first_bucket_mb = 1.0 if dist.get_backend(group) == "nccl" else bucket_mb
@@ -124,32 +99,42 @@ class DataParallelEngine(ReplicaShare, Engine):
                 f"{first_bucket_mb}."
             )
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-        self._join_replicas(group)
-        group = self.group
-        self.model = self._replicate(
+        replica = self._become_replica(
             model,
+            group=group,
             broadcast_buffers=broadcast_buffers,
             sync_batchnorm=sync_batchnorm,
             tp_plan=tp_plan,
+            recompute=recompute,
         )
+        self.model = replica.model
         self.reducer: BucketedGradientReducer | None = None
         if self._replicas > 1:
             self.reducer = BucketedGradientReducer(
                 list(self.model.parameters()),
-                group=group,
+                group=self.group,
                 bucket_bytes=int(bucket_mb * MiB),
                 first_bucket_bytes=int(first_bucket_mb * MiB),
             )
         self.recompute = recompute
-        self._forward = recomputing_forward(self.model) if recompute else self.model
+        self._forward = replica.forward
         # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
         named = self.model.named_parameters()
-        self.optimizer = with_fused_kernel(optimizer_from_factory(optimizer, named))
+        self.optimizer = with_fused_kernel(optimizer_from_factory(self.settings.optimizer, named))
         self.memory.watch(
             self.model.parameters(),
             model_state=self.model_state_bytes,
             communication=self._loss_slot_bytes,
         )
+        reducer = AllReduceGradients(
+            self.model,
+            buckets=self.reducer,
+            optimizer=self.optimizer,
+            tensor_split=self.tensor_split,
+            mesh=self.mesh,
+            device=self._device,
+        )
+        self._plug_step(reducer, lambda inputs: call_model(self._forward, inputs))
 
     def _loss_slot_bytes(self) -> int:
         """Bytes of the extra slots (the loss, the unused count) riding in the buckets."""
@@ -163,62 +148,6 @@ class DataParallelEngine(ReplicaShare, Engine):
         if state["gradients"]:
             state["gradients"] -= self._loss_slot_bytes()
         return state
-
-    def train_step(self, inputs: Any, targets: Any) -> StepStats:
-        samples = batch_size(inputs)
-        replicas, k = self._replicas, self.gradient_accumulation
-        check_divisible(samples, replicas=replicas, micro_batches=k)
-        bytes_before = comm.bytes_sent()
-        share_in, share_tgt = self._share(inputs), self._share(targets)
-        self.model.train()
-        if self.reducer is not None:
-            self.reducer.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        self.memory.begin_step(self.steps_taken)
-        scale = 1.0 / (k * replicas)
-        backward_scale = self.precision.loss_factor(scale)
-        totals = LossTotals(
-            self.loss_fn, targets, share_tgt, parts=k * replicas, device=self._device
-        )
-        self._sync_buffers(training=True)
-        micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
-        for index, (micro_in, micro_tgt) in enumerate(micro):
-            with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = totals.add(self.loss_fn(call_model(self._forward, micro_in), micro_tgt))
-            if self.reducer is not None and index == k - 1:
-                self.reducer.arm(extras=totals.contribution())  # rides in the last bucket
-            totals.scaled(loss, backward_scale, self.precision.loss_factor()).backward()
-            self.memory.release(index)
-        if self.reducer is not None:
-            mean_loss = float(self.reducer.finish(extras_count=1)[0])
-        else:
-            mean_loss = float(totals.contribution())
-        grads = (p.grad for p in self.model.parameters())  # read only under fp16
-        # split gradients differ between a tensor group's members: their vote is a message
-        if self.precision.unscale_and_check(grads, synchronized=self.tensor_split is None):
-            if self.max_grad_norm is not None:
-                self._grad_norm = self._clip(self.max_grad_norm)
-            self.optimizer.step()
-        self.steps_taken += 1
-        self.memory.end_step()
-        return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
-
-    def _clip(self, max_norm: float) -> float:
-        """Every replica holds the whole gradient after the all-reduce; within a tensor
-        group a split parameter's slices add their squares, a replicated one counts once."""
-        if self.tensor_split is None:
-            return clip_local(self.model.parameters(), max_norm)
-        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
-        split, whole = self.tensor_split.partition(named)
-        return clip_distributed(
-            split,
-            max_norm,
-            device=self._device,
-            group=self.mesh.tensor_group,
-            shared=whole,
-            shared_by=self.mesh.tensor,
-        )
 
     def writes_shard(self) -> bool:
         return self._replica_rank == 0

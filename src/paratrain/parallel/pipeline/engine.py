@@ -60,7 +60,7 @@ from paratrain.parallel.batching import (
 from paratrain.parallel.buffer_sync import BufferBroadcast
 from paratrain.parallel.clipping import clip_distributed
 from paratrain.parallel.fused_optim import with_fused_kernel
-from paratrain.parallel.grad_buckets import BucketedGradientReducer, MiB
+from paratrain.parallel.grad_buckets import BucketedGradientReducer
 from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerSlice, is_layer_list, layer_list
@@ -74,6 +74,7 @@ from paratrain.parallel.pipeline.partition import (
     stage_bounds,
     validate_balance,
 )
+from paratrain.parallel.pipeline.runner import ScheduleRunner
 from paratrain.parallel.pipeline.schedules import get_schedule
 from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
@@ -84,13 +85,11 @@ from paratrain.parallel.pipeline.split_points import (
 from paratrain.parallel.pipeline.stage_run import NamedStage
 from paratrain.parallel.pipeline.structure import flatten, floating
 from paratrain.parallel.pipeline.ties import CrossStageTies, layer_list_stages, release_shared
-from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import refuse_batchnorm
+from paratrain.parallel.replica_builder import replicate_stage
 from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.strategy import (
     Engine,
-    LossFn,
-    OptimizerFactory,
     RecordsTimeline,
     StepStats,
     optimizer_from_factory,
@@ -160,12 +159,6 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         model: nn.Module,
         *,
         layout: Layout,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        gradient_accumulation: int = 1,
-        precision: str | Precision = "fp32",
-        memory_per_device: str | int | None = None,
-        max_grad_norm: float | None = None,
         stages: int = STAGES.default,
         micro_batches: int | None = None,
         schedule: str = "1f1b",
@@ -177,31 +170,18 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         split_points: list[str] | None = None,
         tensor: int | None = None,
         tp_plan: dict[str, str] | None = None,
+        **shared: Any,
     ) -> None:
-        super().__init__(
-            model,
-            layout=layout,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            gradient_accumulation=gradient_accumulation,
-            precision=precision,
-            memory_per_device=memory_per_device,
-            max_grad_norm=max_grad_norm,
-        )
+        """The pipeline's options as above; ``shared``: every engine's
+        (``EngineSettings``). The steps, in order: refusals (before any collective), the
+        schedule, the mesh, this stage's cut, its replicas, its optimizer, its link."""
+        super().__init__(model, layout=layout, **shared)
         require_process_group(self.name)
         stages, tensor = layout.stages, layout.tensor
         if tensor > 1:
             refuse_tensor_for_split_points(model)
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-        sequential = is_layer_list(model)
-        if sequential and split_points is not None:
-            if balance is not None:
-                raise ValueError("give balance or split_points, not both.")
-            balance = layer_list_balance(model, split_points, stages)
-        if not sequential:
-            refuse_for_split_points(balance=balance, balance_by=balance_by, recompute=recompute)
-        elif recompute:
-            refuse_batchnorm(layer_list(model)[0])  # before any collective: alike everywhere
+        balance = self._check_cut(model, stages, balance, balance_by, split_points, recompute)
         self.micro_batches = micro_batches_per_replica(stages, micro_batches)
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
@@ -211,46 +191,15 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerSlice | None = None
         self.named: NamedStage | None = None
-        if sequential:
+        if is_layer_list(model):
             self._cut_layer_list(model, balance, balance_by, sample_input, tp_plan)
         else:
-            plan = plan_stages(model, stages, split_points)
-            self.balance, self.split_points = plan.balance, plan.split_points
-            named = [
-                (n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)
-            ]
-            self.ties = CrossStageTies(named, self.mesh)
-            self.named = NamedStage(model, plan, self.mesh.stage, self._device)
-            self.module = model  # the whole model; other stages' modules are on meta
+            self._cut_named(model, stages, split_points)
         self._params = [p for _, p in self.named_local_parameters()]
         self.ties.attach(dict(self._full_named_parameters()))
         self.recompute = recompute
-        self.reducer: BucketedGradientReducer | None = None
-        self.buffer_sync: BufferBroadcast | None = None
-        if self.mesh.replicas > 1:
-            comm.broadcast_tensors(
-                [*self._params, *self._local_buffers()], src=0, group=self.mesh.dp_group
-            )
-            # the first replica's running statistics before each step and evaluation, as
-            # DDP's default (see buffer_sync)
-            if self._local_buffers():
-                self.buffer_sync = BufferBroadcast(self._local_buffers(), group=self.mesh.dp_group)
-            self.reducer = BucketedGradientReducer(
-                list(self._params),
-                group=self.mesh.dp_group,
-                bucket_bytes=int(bucket_mb * MiB),
-                first_bucket_bytes=int(bucket_mb * MiB),
-            )
-        self.ties.broadcast_values()  # copies of a tied Parameter start equal
-        separate_streams()
-        if self.tensor_split is not None:  # a tensor group computes its activations alike
-            self.tensor_split.share_stream(self._device)
-        # A stage may hold only parameter-free layers (an activation, a reshape).
-        # torch's fused CPU kernel where the user left the choice to torch; see fused_optim
-        trainable = [(n, p) for n, p in self.named_local_parameters() if p.requires_grad]
-        self.optimizer = (
-            with_fused_kernel(optimizer_from_factory(optimizer, trainable)) if trainable else None
-        )
+        self._start_replicas(bucket_mb)
+        self.optimizer = self._stage_optimizer()
         self.link = StageLink(
             self._device,
             prev_rank=None if self.mesh.is_first else self.mesh.prev_rank,
@@ -260,11 +209,68 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self._totals: LossTotals | None = None  # the step's losses, on the last stage
         self._step_loss: torch.Tensor | None = None
         self.events: list[dict[str, Any]] = []
+        self.runner = ScheduleRunner(
+            self.actions, self.mesh.stage, link=self.link, memory=self.memory, events=self.events
+        )
         self.memory.watch(
             self._params,
             model_state=self.model_state_bytes,
             communication=self.link.held_bytes,
         )
+
+    @staticmethod
+    def _check_cut(
+        model: nn.Module,
+        stages: int,
+        balance: list[int] | None,
+        balance_by: str,
+        split_points: list[str] | None,
+        recompute: bool,
+    ) -> list[int] | None:
+        """Refuse, before any collective (alike on every worker), a cut the model does not
+        allow; returns the balance (split points on a layer list become one)."""
+        sequential = is_layer_list(model)
+        if sequential and split_points is not None:
+            if balance is not None:
+                raise ValueError("give balance or split_points, not both.")
+            balance = layer_list_balance(model, split_points, stages)
+        if not sequential:
+            refuse_for_split_points(balance=balance, balance_by=balance_by, recompute=recompute)
+        elif recompute:
+            refuse_batchnorm(layer_list(model)[0])
+        return balance
+
+    def _cut_named(self, model: nn.Module, stages: int, split_points: list[str] | None) -> None:
+        """A model that is no layer list: this stage runs the model's own forward with the
+        other stages' modules on meta (``stage_run``)."""
+        plan = plan_stages(model, stages, split_points)
+        self.balance, self.split_points = plan.balance, plan.split_points
+        named = [(n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)]
+        self.ties = CrossStageTies(named, self.mesh)
+        self.named = NamedStage(model, plan, self.mesh.stage, self._device)
+        self.module = model  # the whole model; other stages' modules are on meta
+
+    def _start_replicas(self, bucket_mb: float) -> None:
+        """The stage made equal over its replicas (``replica_builder.replicate_stage``),
+        tied copies made equal, then each worker's own random stream."""
+        replicas = replicate_stage(
+            self._params, self._local_buffers(), mesh=self.mesh, bucket_mb=bucket_mb
+        )
+        self.reducer: BucketedGradientReducer | None = replicas.reducer
+        self.buffer_sync: BufferBroadcast | None = replicas.buffer_sync
+        self.ties.broadcast_values()  # copies of a tied Parameter start equal
+        separate_streams()
+        if self.tensor_split is not None:  # a tensor group computes its activations alike
+            self.tensor_split.share_stream(self._device)
+
+    def _stage_optimizer(self) -> torch.optim.Optimizer | None:
+        """The user's optimizer over this stage's trainable parameters; None for a stage
+        of parameter-free layers only (an activation, a reshape). torch's fused CPU kernel
+        where the user left the choice to torch (see ``fused_optim``)."""
+        trainable = [(n, p) for n, p in self.named_local_parameters() if p.requires_grad]
+        if not trainable:
+            return None
+        return with_fused_kernel(optimizer_from_factory(self.settings.optimizer, trainable))
 
     def _cut_layer_list(self, model, balance, balance_by, sample_input, tp_plan) -> None:
         """Keep this stage's slice of the layer list, its planned layers split over the
@@ -490,32 +496,13 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     # -- the schedule ---------------------------------------------------------------------
 
     def _run_round(self, inputs: Any, targets: Any, *, final: bool) -> None:
-        """One pass of the schedule over ``micro_batches`` micro-batches."""
+        """One pass of the schedule over ``micro_batches`` micro-batches (``runner``)."""
         micro = self.micro_batches
         micro_in = split_micro(inputs, micro) if self._needs_inputs else []
         micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
         scale = 1.0 / (self.gradient_accumulation * micro * self.mesh.replicas)  # a mean's
-        self.link.begin_round(micro, expect_loss=final)
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        actions = self.actions[self.mesh.stage]
-        final_backward = max(i for i, a in enumerate(actions) if a.kind == "B")
-        for position, action in enumerate(actions):
-            m = action.micro
-            if action.kind == "F":
-                start = self._forward(m, micro_in, micro_tgt, held, scale)
-            else:
-                start = self._backward(m, held, last=final and position == final_backward)
-            self.events.append(
-                {
-                    "step": self.steps_taken + 1,
-                    "kind": "forward" if action.kind == "F" else "backward",
-                    "micro": m,
-                    "start": start,
-                    "end": time.perf_counter(),
-                }
-            )
-            self.memory.book_communication()
-        self.link.flush()
+        passes = _RoundPasses(self, micro_in, micro_tgt, scale)
+        self.runner.run_round(passes, micro_batches=micro, step=self.steps_taken + 1, final=final)
 
     def _forward(self, m, micro_in, micro_tgt, held, scale: float) -> float:
         """Receive (or take) micro-batch ``m``, run the stage, pass the result on.
@@ -620,3 +607,18 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         if not self.mesh.is_first:
             self.link.send_loss(loss)
         return loss
+
+
+class _RoundPasses:
+    """One round's ``StagePasses`` for the runner: the engine's forward and backward of a
+    micro-batch, with the round's micro-batches, loss scale and held activations."""
+
+    def __init__(self, engine: PipelineEngine, micro_in: Any, micro_tgt: Any, scale: float):
+        self.engine, self.micro_in, self.micro_tgt, self.scale = engine, micro_in, micro_tgt, scale
+        self.held: dict[int, tuple[Any, Any]] = {}
+
+    def forward(self, micro: int) -> float:
+        return self.engine._forward(micro, self.micro_in, self.micro_tgt, self.held, self.scale)
+
+    def backward(self, micro: int, *, last: bool) -> float:
+        return self.engine._backward(micro, self.held, last=last)

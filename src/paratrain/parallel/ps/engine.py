@@ -69,7 +69,6 @@ from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
-from paratrain.parallel.precision import Precision
 from paratrain.parallel.ps import jobkeys, spawn
 from paratrain.parallel.ps.backup import check_backup_workers
 from paratrain.parallel.ps.batchnorm import check_batchnorm
@@ -87,8 +86,6 @@ from paratrain.parallel.replica_rng import separate_streams
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
     Engine,
-    LossFn,
-    OptimizerFactory,
     StepStats,
     optimizer_from_factory,
 )
@@ -155,12 +152,6 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         model: nn.Module,
         *,
         layout: Layout,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        gradient_accumulation: int = 1,
-        precision: str | Precision = "fp32",
-        memory_per_device: str | int | None = None,
-        max_grad_norm: float | None = None,
         servers: int = 1,
         staleness: int | None = 0,
         staleness_lr: str = "inverse",
@@ -169,17 +160,10 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         straggler: dict[str, Any] | None = None,
         transport: str = "auto",
         timeout_s: float = 300.0,
+        **shared: Any,
     ) -> None:
-        super().__init__(
-            model,
-            layout=layout,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            gradient_accumulation=gradient_accumulation,
-            precision=precision,
-            memory_per_device=memory_per_device,
-            max_grad_norm=max_grad_norm,
-        )
+        """ps's options as above; ``shared``: every engine's (``EngineSettings``)."""
+        super().__init__(model, layout=layout, **shared)
         require_launch()
         check_batchnorm(model, comm.world_size())  # on every worker, before any server starts
         self.staleness = check_bound(staleness)
@@ -208,39 +192,10 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         # The servers hold the real optimizer; this one is never stepped. It holds the
         # user's parameter groups and hyperparameters, so that a learning-rate scheduler
         # can drive it, and each step sends its rates to the servers where they changed.
+        optimizer = self.settings.optimizer
         self.optimizer = optimizer_from_factory(optimizer, self.model.named_parameters())
         self._rates_sent = self._rates()
-        self._prefix = f"paratrain/ps/{next(_engines)}"
-        self.store = jobkeys.connect(timeout_s=timeout_s)
-        self._processes = []
-        if self._rank == 0:
-            tolerate_lost_workers(self.store)
-            spec = {
-                "workers": self._workers,
-                "servers": self.servers,
-                "staleness": self.staleness,
-                "staleness_lr": self.staleness_lr,
-                "backup_workers": self.backup_workers,
-                "lookahead": self.lookahead,
-                # Synchronous rounds are clipped by the servers; pushes under asynchrony
-                # by their workers (see ``clipping``).
-                "max_grad_norm": self.max_grad_norm if self.staleness == 0 else None,
-                "shards": [[s.to_json() for s in shard] for shard in shards],
-                "optimizer": describe_optimizer(optimizer, self.model),
-            }
-            self._processes = spawn.start_servers(self.store, self._prefix, spec)
-        spawn.wait_until_ready(self.store, self._prefix, self.servers, self._processes, timeout_s)
-        group = spawn.join_group(
-            self.store, self._prefix, self._rank, self._workers + self.servers, timeout_s
-        )
-        self.link = ServerLink(
-            group,
-            self._layouts,
-            workers=self._workers,
-            timeout_s=timeout_s,
-            store=self.store,
-            prefix=self._prefix,
-        )
+        self._connect_servers(shards, timeout_s)
         self._versions = [0] * self.servers
         if self.transport == "shared_memory":
             pulls, pushes = self._attach_shared_regions()
@@ -262,6 +217,41 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         if self._rank == 0:
             self._set_parameters()  # the servers start from worker 0's initial parameters
         separate_streams(agree=False)  # each worker its own dropout masks, with no message
+
+    def _connect_servers(self, shards: list[list[ParamSpec]], timeout_s: float) -> None:
+        """Worker 0 starts the servers with the run's spec; every worker waits until they
+        are ready, joins their group and opens its link to them."""
+        self._prefix = f"paratrain/ps/{next(_engines)}"
+        self.store = jobkeys.connect(timeout_s=timeout_s)
+        self._processes = []
+        if self._rank == 0:
+            tolerate_lost_workers(self.store)
+            spec = {
+                "workers": self._workers,
+                "servers": self.servers,
+                "staleness": self.staleness,
+                "staleness_lr": self.staleness_lr,
+                "backup_workers": self.backup_workers,
+                "lookahead": self.lookahead,
+                # Synchronous rounds are clipped by the servers; pushes under asynchrony
+                # by their workers (see ``clipping``).
+                "max_grad_norm": self.max_grad_norm if self.staleness == 0 else None,
+                "shards": [[s.to_json() for s in shard] for shard in shards],
+                "optimizer": describe_optimizer(self.settings.optimizer, self.model),
+            }
+            self._processes = spawn.start_servers(self.store, self._prefix, spec)
+        spawn.wait_until_ready(self.store, self._prefix, self.servers, self._processes, timeout_s)
+        group = spawn.join_group(
+            self.store, self._prefix, self._rank, self._workers + self.servers, timeout_s
+        )
+        self.link = ServerLink(
+            group,
+            self._layouts,
+            workers=self._workers,
+            timeout_s=timeout_s,
+            store=self.store,
+            prefix=self._prefix,
+        )
 
     # -- the step ----------------------------------------------------------------------------
 

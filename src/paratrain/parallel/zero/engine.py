@@ -73,32 +73,21 @@ does not free the unit backward is about to use (see ``gather``).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.batching import (
-    batch_size,
-    check_divisible,
-    split_micro,
-)
-from paratrain.parallel.clipping import clip_distributed
 from paratrain.parallel.grad_buckets import MiB, plan_buckets
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.loss_reduction import LossTotals
-from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import recomputing_forward
 from paratrain.parallel.replicas import ReplicaShare
 from paratrain.parallel.single import canonical_state
 from paratrain.parallel.strategy import (
     Engine,
-    LossFn,
     OptimizerFactory,
-    StepStats,
     require_process_group,
 )
 from paratrain.parallel.zero.checkpoint import ZeroCheckpointState
@@ -106,7 +95,7 @@ from paratrain.parallel.zero.gather import ParameterGatherer
 from paratrain.parallel.zero.grads import ShardedGradients
 from paratrain.parallel.zero.groups import learn_groups
 from paratrain.parallel.zero.optim import check_sharded_optimizer
-from paratrain.parallel.zero.reach import reachable_leaves
+from paratrain.parallel.zero.reduce_scatter import ReduceScatterShards
 from paratrain.parallel.zero.shards import FlatUnit, trainable
 from paratrain.parallel.zero.units import UnitSpec, check_units, unit_modules
 from paratrain.parallel.zero.unused import ShardPieces, make_pieces
@@ -124,12 +113,6 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         model: nn.Module,
         *,
         layout: Layout,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        gradient_accumulation: int = 1,
-        precision: str | Precision = "fp32",
-        memory_per_device: str | int | None = None,
-        max_grad_norm: float | None = None,
         group: ProcessGroup | None = None,
         recompute: bool = False,
         elementwise_optimizer: bool = False,
@@ -137,17 +120,11 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         sync_batchnorm: bool = False,
         tensor: int | None = None,
         tp_plan: dict[str, str] | None = None,
+        **shared: Any,
     ) -> None:
-        super().__init__(
-            model,
-            layout=layout,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            gradient_accumulation=gradient_accumulation,
-            precision=precision,
-            memory_per_device=memory_per_device,
-            max_grad_norm=max_grad_norm,
-        )
+        """The stages' options (see the stage classes); ``shared``: every engine's
+        (``EngineSettings``)."""
+        super().__init__(model, layout=layout, **shared)
         if self.stage == 3 and tensor not in (None, 1):
             raise ValueError(
                 "zero3 does not split layers over a tensor group; use zero1 or zero2 with "
@@ -156,19 +133,20 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         self.recompute = recompute
         self._check_layout(model)
-        # Built before any collective: it refuses models recompute cannot segment.
-        self._segments = recomputing_forward(model) if recompute else None
+        if recompute:  # before any collective: it refuses models recompute cannot segment
+            recomputing_forward(model)
         require_process_group(self.name)
-        self._join_replicas(group)
-        group = self.group
-        self.model = self._replicate(
+        replica = self._become_replica(
             model,
+            group=group,
             broadcast_buffers=broadcast_buffers,
             sync_batchnorm=sync_batchnorm,
             tp_plan=tp_plan,
+            recompute=recompute,
         )
-        if self.tensor_split is not None and recompute:  # segments of the split layers
-            self._segments = recomputing_forward(self.model)
+        self.model = replica.model
+        self._segments = replica.forward if recompute else None
+        optimizer = self.settings.optimizer
         # The user's groups first: zero1/2 lay their buckets out so that none mixes groups.
         self.param_groups = learn_groups(
             optimizer, list(self.model.named_parameters()), strategy=self.name
@@ -179,7 +157,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             order=self._reduce_order(),
             # zero3 interleaves them with gathers, differently where replicas used different
             # parameters: a group of their own keeps both orders matched (see ``gather``)
-            group=comm.second_group(group) if self.stage == 3 else group,
+            group=comm.second_group(self.group) if self.stage == 3 else self.group,
             keep_full=self.stage == 1,
             on_unit_done=self.gatherer.release if self.gatherer is not None else None,
         )
@@ -193,6 +171,18 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             [*self.model.parameters(), *(unit.shard for unit in self.units)],
             model_state=self.model_state_bytes,
         )
+        reducer = ReduceScatterShards(
+            grads=self.grads,
+            units=self.units,
+            pieces=self.pieces,
+            gatherer=self.gatherer,
+            group=self.group,
+            tensor_split=self.tensor_split,
+            mesh=self.mesh,
+            device=self._device,
+            after_step=self._after_step,
+        )
+        self._plug_step(reducer, self._model_forward)
 
     def _check_layout(self, model: nn.Module) -> None:
         """Refuse a model the stage cannot shard, before any collective."""
@@ -234,10 +224,6 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         self.gatherer.end_forward()
         return output
 
-    def _backward_pass(self):
-        """Stage 3 keeps units gathered through their recompute (see ``gather``)."""
-        return self.gatherer.backward_pass() if self.gatherer is not None else nullcontext()
-
     def _build_units(self) -> tuple[list[FlatUnit], ParameterGatherer | None]:
         raise NotImplementedError
 
@@ -251,65 +237,6 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
             rank=self._replica_rank,
             world=self._replicas,
             own_shard_storage=self.stage == 3,
-        )
-
-    def train_step(self, inputs: Any, targets: Any) -> StepStats:
-        samples = batch_size(inputs)
-        replicas, k = self._replicas, self.gradient_accumulation
-        check_divisible(samples, replicas=replicas, micro_batches=k)
-        bytes_before = comm.bytes_sent()
-        share_in, share_tgt = self._share(inputs), self._share(targets)
-        self.model.train()
-        self.grads.zero_grad()
-        self.memory.begin_step(self.steps_taken)
-        scale = 1.0 / (k * replicas)
-        backward_scale = self.precision.loss_factor(scale)
-        totals = LossTotals(
-            self.loss_fn, targets, share_tgt, parts=k * replicas, device=self._device
-        )
-        self._sync_buffers(training=True)
-        micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
-        for index, (micro_in, micro_tgt) in enumerate(micro):
-            self.grads.begin_backward(reduce=index == k - 1)
-            with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = totals.add(self.loss_fn(self._model_forward(micro_in), micro_tgt))
-            scaled = totals.scaled(loss, backward_scale, self.precision.loss_factor())
-            if self.gatherer is not None and index == k - 1:  # stage 3 (see ``reach``)
-                reachable = reachable_leaves(scaled)
-                if reachable is not None:
-                    self.grads.expect_only(reachable)
-            with self._backward_pass():
-                scaled.backward()
-            self.memory.release(index)
-            if self.gatherer is not None:
-                self.gatherer.release_all()
-        mean_loss = self.grads.finish(totals.contribution())
-        self.pieces.assign_grads(self.grads.unused)  # parameters no replica used: skipped
-        # Each rank checks only its slices, so under fp16 the overflow flag is summed over
-        # the replicas (synchronized=False): all skip together or all step; a tensor
-        # group's members hold different slices too, so with one the vote is the job's.
-        shard_grads = [unit.shard.grad for unit in self.units]
-        vote = self.group if self.tensor_split is None else None
-        if self.precision.unscale_and_check(shard_grads, group=vote, device=self._device):
-            if self.max_grad_norm is not None:
-                self._grad_norm = self._clip(self.max_grad_norm)
-            self.optimizer.step()
-            self._after_step()
-        self.steps_taken += 1
-        self.memory.end_step()
-        return self._step_stats(mean_loss, samples, comm.bytes_sent() - bytes_before)
-
-    def _clip(self, max_norm: float) -> float:
-        """Each rank holds slices of the flat gradients: their squares add up over the
-        replicas. Within a tensor group the parts of a split parameter add up too, while a
-        replicated one is held alike by every member and counts once."""
-        if self.tensor_split is None:
-            held = [unit.shard.grad for unit in self.units if unit.shard.grad is not None]
-            return clip_distributed(held, max_norm, device=self._device, group=self.group)
-        pieces = [piece for unit in self.units for piece in unit.shard_pieces(unit.shard.grad)]
-        split, whole = self.tensor_split.partition(pieces)
-        return clip_distributed(
-            split, max_norm, device=self._device, shared=whole, shared_by=self.mesh.tensor
         )
 
     def _after_step(self) -> None:
@@ -391,46 +318,13 @@ class _ReplicatedParameters(ZeroEngine):
     def run_metrics(self) -> dict[str, Any] | None:
         return self.split_metrics(list(self.model.parameters()), self._parameters) or None
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        layout: Layout,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        gradient_accumulation: int = 1,
-        precision: str | Precision = "fp32",
-        memory_per_device: str | int | None = None,
-        max_grad_norm: float | None = None,
-        group: ProcessGroup | None = None,
-        bucket_mb: float = 25.0,
-        recompute: bool = False,
-        elementwise_optimizer: bool = False,
-        broadcast_buffers: bool = True,
-        sync_batchnorm: bool = False,
-        tensor: int | None = None,
-        tp_plan: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, bucket_mb: float = 25.0, **options: Any) -> None:
+        """``bucket_mb`` as above; every other option as ``ZeroEngine`` takes it. The size
+        is kept before the shared constructor builds the buckets from it."""
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}.")
         self._bucket_bytes = int(bucket_mb * MiB)
-        super().__init__(
-            model,
-            layout=layout,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            gradient_accumulation=gradient_accumulation,
-            precision=precision,
-            memory_per_device=memory_per_device,
-            max_grad_norm=max_grad_norm,
-            group=group,
-            recompute=recompute,
-            elementwise_optimizer=elementwise_optimizer,
-            broadcast_buffers=broadcast_buffers,
-            sync_batchnorm=sync_batchnorm,
-            tensor=tensor,
-            tp_plan=tp_plan,
-        )
+        super().__init__(model, **options)
 
     def _build_units(self) -> tuple[list[FlatUnit], None]:
         """Buckets of one dtype, device and parameter group each, in reverse registration
