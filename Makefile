@@ -10,7 +10,7 @@ DATA_DIR ?= $(wildcard ../shared/data)
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 DEVICES_FLAG := $(if $(DEVICES),--devices $(DEVICES),)
 
-.PHONY: install train test test-isa lint bench clean
+.PHONY: install train test test-fast test-isa lint bench clean
 
 # Reinstalls when the importable paratrain is another checkout's (an editable install
 # left by a different clone would otherwise be what the tests import).
@@ -26,6 +26,11 @@ train: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# The quick tier (tests marked fast, listed in tests/conftest.py): the pure-logic tests and
+# one parity case per engine, a few minutes on 2 cores; `make test` stays the whole suite.
+test-fast: install
+	$(PYTHON) -m pytest -q -m fast
 
 # The numeric tests under the other x86-64 kernel sets torch picks from: every test that
 # holds an engine's floats to a reference's within a tolerance (parity with one device or

@@ -163,9 +163,9 @@ def test_every_engine_trains_hugging_face_models_at_4_workers():
 
 @pytest.mark.slow
 def test_readme_example_runs_as_printed(tmp_path):
-    """README's "Your own model" script (dict batches, the token loss, groups by name, a
-    schedule, clipping, the checkpoint loaded into a fresh GPT2LMHeadModel), run as it is
-    printed there, prints the line the README says it prints, and nothing on stderr but
+    """docs/models.md's "Your own model" script (dict batches, the token loss, groups by
+    name, a schedule, clipping, the checkpoint loaded into a fresh GPT2LMHeadModel), run as
+    it is printed there, prints the line the page says it prints, and nothing on stderr but
     what torch itself may say."""
     completed, printed = run_readme_example("my_gpt2.py", tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -117,7 +117,7 @@ def test_a_count_that_disagrees_with_the_pairs_is_refused():
 
 def test_a_per_part_mean_differs_from_the_global_token_mean(references):
     """What a plain mean loss means under splitting: the mean of equal parts' means, which
-    for unevenly padded tokens is not the global token mean (said in the README)."""
+    for unevenly padded tokens is not the global token mean (said in docs/models.md)."""
     engine = workers.parity_engine("single", "gpt", "sgd", 4)
     engine.loss_fn = lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     x, y = loss_workers.padded_batches()[0]
