@@ -1,4 +1,5 @@
-"""``paratrain ckpt inspect|export``: look into a checkpoint, or turn it into one plain file."""
+"""``paratrain ckpt inspect|export``: look into a checkpoint, or turn it into one plain file
+(or, with ``--format``, a Hugging Face or DCP folder: ``checkpoint_formats``)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def inspect_command(args: argparse.Namespace) -> int:
 def export_command(args: argparse.Namespace) -> int:
     checkpoint = _open(args.path)
     out = Path(args.out)
+    if getattr(args, "format", None):
+        from paratrain.checkpoint_formats import export_folder
+
+        return export_folder(checkpoint, out, args)
     state = checkpoint.model_state()  # every name; tied names share one tensor
     out.parent.mkdir(parents=True, exist_ok=True)
     note = ""

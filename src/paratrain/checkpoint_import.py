@@ -4,12 +4,14 @@ strategy.
 
 The source is anything ``paratrain.load_model_state`` reads (a ``.pt``/``.pth``/``.bin``
 state dict, perhaps from ``nn.DataParallel`` or DDP with ``module.`` names, a
-``.safetensors`` file, a paratrain checkpoint or run folder). It is checked, name by name
+``.safetensors`` file, a paratrain checkpoint or run folder, a PyTorch distributed
+checkpoint folder). It is checked, name by name
 and shape by shape, against the reference model the flags describe (built on the meta
 device: no weights are made), stored in that model's dtypes with tied names stored once,
 and saved with the model's settings as its config: the resume takes the model from it and
-everything else (optimizer, data, steps) from its own flags. The file holds no optimizer
-state, so the optimizer starts fresh, and the command says so.
+everything else (optimizer, data, steps) from its own flags. Only a DCP folder brings
+optimizer state (``dcp_format``), which the resume continues; otherwise the optimizer
+starts fresh, and the command says which.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 
 from paratrain.checkpoint import CheckpointError, save_model_state
 from paratrain.config import ConfigError, build_config
+from paratrain.dcp_format import read_dcp_optimizer
+from paratrain.dcp_read import is_dcp_folder
 from paratrain.model_state import load_model_state, strip_wrappers
 from paratrain.parallel.ties import tied_names
 from paratrain.resume_config import MODEL_FIELDS, saved_config
@@ -60,8 +64,12 @@ def import_command(args: argparse.Namespace) -> int:
         state[alias] = state[canonical]  # one tensor: stored once, the alias recorded
     out = Path(args.out)
     settings = {name: getattr(config, name) for name in MODEL_FIELDS}
+    optimizer = read_dcp_optimizer(source, model) if is_dcp_folder(source) else None
     save_model_state(
-        out, state, metadata={"step": 0, "config": settings, "imported_from": str(source)}
+        out,
+        state,
+        metadata={"step": 0, "config": settings, "imported_from": str(source)},
+        optimizer=optimizer,
     )
     renamed = sorted(set(stored) - set(state))
     note = f" ({renamed[0]!r} read as {strip_wrappers(renamed[0])!r}, ...)" if renamed else ""
@@ -69,10 +77,19 @@ def import_command(args: argparse.Namespace) -> int:
     print(
         f"imported {source} into {out}: {config.model} on {config.dataset}, {len(state)} "
         f"tensors, {values:,} values{note}\n"
-        f"the file holds model weights only: the optimizer starts fresh; continue with "
-        f"paratrain train --resume {out} --steps N"
+        + (
+            "the file holds model weights only: the optimizer starts fresh"
+            if optimizer is None
+            else f"optimizer state carried ({_state_keys(optimizer)}): resume with the "
+            "optimizer that made it"
+        )
+        + f"; continue with paratrain train --resume {out} --steps N"
     )
     return 0
+
+
+def _state_keys(optimizer: tuple[dict, list]) -> str:
+    return ", ".join(sorted({key.rpartition("/")[2] for key in optimizer[0]})) or "no tensors"
 
 
 def _saved_model_settings(source: Path) -> dict:
