@@ -69,9 +69,11 @@ def test_a_pytorch_dcp_folder_imports_and_resumes_as_the_plain_loop_continues(
     out = tmp_path / "imported"
     assert main(["ckpt", "import", str(source), str(out), *MLP_FLAGS]) == 0
     said = capsys.readouterr().out
-    assert "optimizer state carried (exp_avg, exp_avg_sq, step)" in said
+    assert "optimizer state carried (exp_avg, exp_avg_sq, step, adam lr 0.01)" in said
     checkpoint = Checkpoint(out)
     assert checkpoint.manifest["optimizer"]["param_groups"][0]["lr"] == 1e-2
+    # --resume takes the optimizer that made the state, and refuses another
+    assert checkpoint.metadata["config"]["optimizer"] == "adam"
     resumed = dcp_workers.resume("single", str(out), str(tmp_path / "resumed"))
     reference = continued_plain_run()
     assert relative_error(resumed, reference) <= TOLERANCE

@@ -23,7 +23,7 @@ import torch
 
 from paratrain.checkpoint import CheckpointError, save_model_state
 from paratrain.config import ConfigError, build_config
-from paratrain.dcp_format import read_dcp_optimizer
+from paratrain.dcp_format import optimizer_settings, read_dcp_optimizer
 from paratrain.dcp_read import is_dcp_folder
 from paratrain.model_state import load_model_state, strip_wrappers
 from paratrain.parallel.ties import tied_names
@@ -65,6 +65,8 @@ def import_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     settings = {name: getattr(config, name) for name in MODEL_FIELDS}
     optimizer = read_dcp_optimizer(source, model) if is_dcp_folder(source) else None
+    if optimizer is not None:  # --resume takes the optimizer that made the state
+        settings.update(optimizer_settings(optimizer))
     save_model_state(
         out,
         state,
@@ -80,8 +82,12 @@ def import_command(args: argparse.Namespace) -> int:
         + (
             "the file holds model weights only: the optimizer starts fresh"
             if optimizer is None
-            else f"optimizer state carried ({_state_keys(optimizer)}): resume with the "
-            "optimizer that made it"
+            else f"optimizer state carried ({_state_keys(optimizer)}"
+            + (
+                f", {settings['optimizer']} lr {settings['lr']}): the resume continues it"
+                if "optimizer" in settings
+                else "): resume it with the optimizer that made it"
+            )
         )
         + f"; continue with paratrain train --resume {out} --steps N"
     )

@@ -82,6 +82,29 @@ def read_dcp_optimizer(folder: str | Path, model: nn.Module) -> NamedOptimizerSt
     return tensors, named_groups
 
 
+def optimizer_settings(optimizer: NamedOptimizerState) -> dict[str, Any]:
+    """The command line's optimizer settings that made this state (``optimizer``, ``lr``,
+    ``weight_decay``, ``momentum``), saved with the imported checkpoint so that
+    ``--resume`` takes them and refuses a contradicting flag; none where the state is of
+    an optimizer the command line does not build (the API resumes it with that one) or
+    its groups differ (no one flag value)."""
+    tensors, groups = optimizer
+    keys = {key.rpartition("/")[2] for key in tensors}
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    if not hyper or any(h != hyper[0] for h in hyper[1:]):
+        return {}
+    group = hyper[0]
+    if keys <= {"momentum_buffer"} and "momentum" in group and "dampening" in group:
+        kind = {"optimizer": "sgd", "momentum": group["momentum"]}
+    elif keys == {"exp_avg", "exp_avg_sq", "step"} and not group.get("amsgrad"):
+        if "decoupled_weight_decay" not in group:  # before torch 2.6 Adam and AdamW agree
+            return {}
+        kind = {"optimizer": "adamw" if group["decoupled_weight_decay"] else "adam"}
+    else:
+        return {}
+    return {**kind, "lr": group["lr"], "weight_decay": group.get("weight_decay", 0.0)}
+
+
 def _parameter_names(
     folder: Path, groups: list[dict], names: list[str], aliases: dict[str, str]
 ) -> dict[str, str]:
