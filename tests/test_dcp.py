@@ -146,6 +146,24 @@ def test_a_metadata_pickle_naming_other_code_is_refused_not_run(tmp_path, capsys
     assert marker.exists()
 
 
+class Reach:
+    """An allowed class's attribute other than an Enum member, through ``getattr``."""
+
+    def __reduce__(self):
+        return (getattr, (Path, "__init__"))
+
+
+def test_getattr_serves_enum_members_only(tmp_path):
+    """Python 3.12 (and Debian's 3.11) pickle an Enum member as getattr(cls, name), which
+    DCP's metadata holds (its memory-format encoding); nothing else may use getattr."""
+    from paratrain.dcp_read import read_metadata
+
+    folder = pytorch_folder(tmp_path, "plain")
+    (folder / ".metadata").write_bytes(pickle.dumps(Reach(), protocol=4))
+    with pytest.raises(CheckpointError, match="getattr\\('Path', '__init__'\\), which is not"):
+        read_metadata(folder)
+
+
 def test_position_keyed_optimizer_state_of_another_order_is_refused(tmp_path, capsys):
     model, optimizer = dcp_workers.plain_run(1)
     state = optimizer.state_dict()

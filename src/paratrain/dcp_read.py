@@ -23,6 +23,7 @@ Folders written with storage transforms (compression, DCP's extensions) are refu
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from pathlib import Path
@@ -64,7 +65,23 @@ class SafeMetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and _torch_constant(name):
             return getattr(torch, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # how Python 3.12 (and Debian's 3.11) pickles an Enum member
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP table of contents")
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as an Enum member's pickle uses it, and nothing else: an allowed Enum
+    class and one of its member names (a free ``getattr`` would reach any attribute of an
+    allowed class, its functions' globals among them)."""
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum)
+    allowed = allowed and cls.__name__ in _ALLOWED_CLASSES.get(cls.__module__, ())
+    if not allowed or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(
+            f"builtins.getattr({getattr(cls, '__name__', cls)!r}, {name!r}) is not part of a "
+            "DCP table of contents"
+        )
+    return cls[name]
 
 
 def _torch_constant(name: str) -> bool:
