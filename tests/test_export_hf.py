@@ -45,6 +45,8 @@ def test_a_model_without_a_config_exports_its_weights_and_says_so(tmp_path, caps
     said = capsys.readouterr()
     assert "no config.json was written: the model saved no `config`" in said.out
     assert "already exists and is not an empty folder" in said.err  # the second export
+    assert main([*export[:-1], str(tmp_path / "other"), "--max-shard-size", "5G"]) == 2
+    assert "--max-shard-size must be a size such as" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
     loaded = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

@@ -84,7 +84,10 @@ def export_command(args: argparse.Namespace) -> int:
     elif out.suffix in (".pt", ".pth"):
         torch.save(state, out)  # tensors only: torch.load(out, weights_only=True) reads it
     else:
-        raise ConfigError(f"export writes .safetensors or .pt files, not {out.name!r}.")
+        raise ConfigError(
+            f"export writes .safetensors or .pt files, or a folder with --format hf or dcp, "
+            f"not {out.name!r}."
+        )
     total = sum(t.numel() * t.element_size() for t in state.values())
     print(f"wrote {out}: {len(state)} tensors, {format_bytes(total)}, step {checkpoint.step}{note}")
     return 0

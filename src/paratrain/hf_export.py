@@ -61,7 +61,10 @@ def shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 def export_hf(checkpoint: Checkpoint, out: Path, max_shard_size: str | int) -> str:
     """Write ``checkpoint``'s model as a Hugging Face folder at ``out``; the line to print."""
-    limit = parse_size(max_shard_size, name="--max-shard-size")
+    try:
+        limit = parse_size(max_shard_size, name="--max-shard-size")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"{out} already exists and is not an empty folder; name a new folder or remove it."
