@@ -176,3 +176,20 @@ def test_position_keyed_optimizer_state_of_another_order_is_refused(tmp_path, ca
     assert "save get_optimizer_state_dict(model, optimizer), which keys them by name" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_state_imports_with_its_settings_even_when_empty(tmp_path, capsys, momentum):
+    """SGD without momentum has no state at all, which DCP saves as no 'state' key."""
+    model = dcp_workers.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    inputs, targets = dcp_workers.batches()[0]
+    dcp_workers.loss_fn(model(inputs), targets).backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    save_dcp(tmp_path / "dcp", {"model": model_state, "optim": optim_state})
+    assert main(["ckpt", "import", str(tmp_path / "dcp"), str(tmp_path / "out"), *MLP_FLAGS]) == 0
+    config = Checkpoint(tmp_path / "out").metadata["config"]
+    assert (config["optimizer"], config["momentum"], config["lr"]) == ("sgd", momentum, 0.1)
+    buffers = Checkpoint(tmp_path / "out").names("optim")
+    assert len(buffers) == (4 if momentum else 0)

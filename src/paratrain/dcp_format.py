@@ -45,9 +45,9 @@ def read_dcp_optimizer(folder: str | Path, model: nn.Module) -> NamedOptimizerSt
     _, optim = sections(read_dcp(folder), folder)
     if optim is None:
         return None
-    state, groups = (
-        (optim.get("state"), optim.get("param_groups")) if isinstance(optim, dict) else (None, None)
-    )
+    # an optimizer with no state yet (SGD without momentum) saves no 'state' at all
+    state = optim.get("state", {}) if isinstance(optim, dict) else None
+    groups = optim.get("param_groups") if isinstance(optim, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
         raise CheckpointError(
             f"{folder} holds optimizer state in a layout paratrain does not read (it reads "
@@ -64,6 +64,8 @@ def read_dcp_optimizer(folder: str | Path, model: nn.Module) -> NamedOptimizerSt
                 f"{folder} holds optimizer state for {key!r}, which no parameter group lists."
             )
         for state_key, value in entries.items():
+            if value is None:  # SGD without momentum keeps momentum_buffer None
+                continue
             tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
             if tensor.dim() > 0 and tuple(tensor.shape) != tuple(parameters[name].shape):
                 raise CheckpointError(
