@@ -132,8 +132,10 @@ def save_model_state(
     state: dict[str, torch.Tensor],
     *,
     metadata: dict[str, Any] | None = None,
+    optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]]] | None = None,
 ) -> Path:
-    """A model-only checkpoint written by one process (no optimizer or RNG state).
+    """A checkpoint written by one process: the model, and the optimizer state where given
+    (tensors by "name/key" and the groups with parameter names); no RNG state.
 
     Entries that are one tensor under several names (tied weights) are written once and
     recorded as aliases.
@@ -141,14 +143,17 @@ def save_model_state(
     aliases = shared_names(state)
     staging = prepare_staging(directory)
     entry = write_shard(staging, "model", 0, {k: v for k, v in state.items() if k not in aliases})
+    files = {shard_name("model", 0): entry}
+    if optimizer is not None:
+        files[shard_name("optim", 0)] = write_shard(staging, "optim", 0, optimizer[0])
     return publish(
         directory,
         {
             "layout": {"strategy": "single", "world_size": 1},
             "step": (metadata or {}).get("step", 0),
             "metadata": metadata or {},
-            "files": {shard_name("model", 0): entry},
-            "optimizer": None,
+            "files": files,
+            "optimizer": None if optimizer is None else {"param_groups": optimizer[1]},
             **alias_entry(aliases),
         },
     )

@@ -40,9 +40,16 @@ class Imported:
         return f" ({first!r} read as {strip_wrappers(first)!r}, ...)"
 
 
-def import_weights(source: Path, model: nn.Module, out: Path, metadata: dict[str, Any]) -> Imported:
-    """Check ``source``'s weights against ``model`` and save them at ``out`` as a
-    model-only checkpoint with ``metadata``; refuses tied names whose values differ."""
+def import_weights(
+    source: Path,
+    model: nn.Module,
+    out: Path,
+    metadata: dict[str, Any],
+    optimizer: tuple[dict[str, torch.Tensor], list[dict[str, Any]]] | None = None,
+) -> Imported:
+    """Check ``source``'s weights against ``model`` and save them at ``out`` with
+    ``metadata`` (and the optimizer state a DCP folder brought, ``dcp_format``); refuses
+    tied names whose values differ."""
     stored = load_model_state(source)
     state = load_model_state(source, model=model)  # wrappers stripped, names/shapes checked
     expected = model.state_dict()
@@ -56,6 +63,6 @@ def import_weights(source: Path, model: nn.Module, out: Path, metadata: dict[str
                 "--tie-embeddings."
             )
         state[alias] = state[canonical]  # one tensor: stored once, the alias recorded
-    save_model_state(out, state, metadata=metadata)
+    save_model_state(out, state, metadata=metadata, optimizer=optimizer)
     values = sum(t.numel() for name, t in state.items() if name not in ties)
     return Imported(len(state), values, sorted(set(stored) - set(state)))

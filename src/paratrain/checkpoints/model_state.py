@@ -1,7 +1,8 @@
 """Model weights from wherever they were saved, for ``model.load_state_dict``.
 
 ``load_model_state(path)`` reads a paratrain checkpoint folder, a run folder (its newest
-checkpoint), a ``.safetensors`` file, or a ``.pt``/``.pth``/``.bin`` state dict. The
+checkpoint), a PyTorch distributed checkpoint (DCP) folder (``dcp_read``: its model
+state, no pickle run), a ``.safetensors`` file, or a ``.pt``/``.pth``/``.bin`` state dict. The
 latter are read with ``torch.load(weights_only=True)`` only: a file holding pickled Python
 objects is refused, never executed.
 
@@ -24,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from paratrain.checkpoints.dcp_read import is_dcp_folder, read_dcp_model
 from paratrain.checkpoints.format import MANIFEST, Checkpoint, CheckpointError
 from paratrain.checkpoints.locate import latest_checkpoint
 from paratrain.parallel.ties import tied_names
@@ -61,13 +63,16 @@ def load_model_state(
 def read_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor at ``path`` by its stored name (see the module's docstring)."""
     path = Path(path)
+    if is_dcp_folder(path):
+        return read_dcp_model(path)
     if path.is_dir():
         if not (path / MANIFEST).exists():
             newest = latest_checkpoint(path)
             if newest is None:
                 raise CheckpointError(
                     f"{path} is neither a paratrain checkpoint nor a run folder holding one; "
-                    "pass a checkpoint folder, a run folder, or a .safetensors/.pt file."
+                    "pass a checkpoint folder, a run folder, a DCP folder, or a .safetensors/.pt "
+                    "file."
                 )
             path = newest
         return Checkpoint(path).model_state()

@@ -1,4 +1,5 @@
-"""``paratrain ckpt inspect|export``: look into a checkpoint, or turn it into one plain file."""
+"""``paratrain ckpt inspect|export``: look into a checkpoint, or turn it into one plain file
+(or, with ``--format``, a Hugging Face or DCP folder: ``cli/ckpt_formats.py``)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def inspect_command(args: argparse.Namespace) -> int:
 def export_command(args: argparse.Namespace) -> int:
     checkpoint = _open(args.path)
     out = Path(args.out)
+    if getattr(args, "format", None):
+        from paratrain.cli.ckpt_formats import export_folder
+
+        return export_folder(checkpoint, out, args)
     state = checkpoint.model_state()  # every name; tied names share one tensor
     out.parent.mkdir(parents=True, exist_ok=True)
     note = ""
@@ -79,7 +84,10 @@ def export_command(args: argparse.Namespace) -> int:
     elif out.suffix in (".pt", ".pth"):
         torch.save(state, out)  # tensors only: torch.load(out, weights_only=True) reads it
     else:
-        raise ConfigError(f"export writes .safetensors or .pt files, not {out.name!r}.")
+        raise ConfigError(
+            f"export writes .safetensors or .pt files, or a folder with --format hf or dcp, "
+            f"not {out.name!r}."
+        )
     total = sum(t.numel() * t.element_size() for t in state.values())
     print(f"wrote {out}: {len(state)} tensors, {format_bytes(total)}, step {checkpoint.step}{note}")
     return 0

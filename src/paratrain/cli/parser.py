@@ -95,16 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = ckpt_commands.add_parser("inspect", help="verify a checkpoint and list its contents")
     inspect.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
     export = ckpt_commands.add_parser(
-        "export", help="write the model as one plain state-dict file (.safetensors or .pt)"
+        "export",
+        help="write the model as one plain state-dict file (.safetensors or .pt), a Hugging "
+        "Face folder (--format hf) or a PyTorch distributed checkpoint (--format dcp)",
     )
     export.add_argument("path", help="a checkpoint folder (or a run folder: its newest)")
-    export.add_argument("out", help="output file, e.g. model.safetensors or model.pt")
+    export.add_argument(
+        "out", help="output file (model.safetensors, model.pt) or, with --format, a new folder"
+    )
+    from paratrain.cli.ckpt_formats import add_format_flags
+
+    add_format_flags(export)
     imported = ckpt_commands.add_parser(
         "import",
-        help="make a paratrain checkpoint of weights saved elsewhere (model only), to --resume",
+        help="make a paratrain checkpoint of weights saved elsewhere (a DCP folder's optimizer "
+        "state too), to --resume",
     )
     imported.add_argument(
-        "source", help="a .pt/.pth/.bin state dict, a .safetensors file, or a checkpoint folder"
+        "source",
+        help="a .pt/.pth/.bin state dict, a .safetensors file, a checkpoint folder, or a "
+        "PyTorch distributed checkpoint (DCP) folder",
     )
     imported.add_argument("out", help="the checkpoint folder to write")
     from paratrain.cli.ckpt_import import IMPORT_FIELDS

@@ -27,6 +27,7 @@ from paratrain.parallel.engine_settings import EngineSettings, LossFn, Optimizer
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.metric_tally import Metric, ObservedLoss, Tally
+from paratrain.parallel.model_config import model_config, with_model_config
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.parallel.ties import tied_names
@@ -108,6 +109,7 @@ class Engine(ABC):
         self.steps_taken = 0
         self._device = current_device()
         self.precision = Precision.of(precision)
+        self.model_config = model_config(model)  # the whole model's, saved with checkpoints
         # Counted before a strategy moves layers away or shards them: the whole model.
         total_parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         self.memory = MemoryTracker(
@@ -250,6 +252,7 @@ class Engine(ABC):
         """
         if self.precision.scales_loss:  # the fp16 loss scale is the same on every worker
             metadata = {**(metadata or {}), "precision": self.precision.state_dict()}
+        metadata = with_model_config(metadata, self.model_config)
         return save_engine_checkpoint(self, path, metadata=metadata)
 
     def load_checkpoint(self, path: str | Path):

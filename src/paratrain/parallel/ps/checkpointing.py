@@ -32,6 +32,7 @@ from paratrain.checkpoints.format import (
     write_shard,
 )
 from paratrain.parallel.checkpointing import _python_rng, _restore_rng
+from paratrain.parallel.model_config import with_model_config
 from paratrain.parallel.ps.protocol import Op
 
 
@@ -50,7 +51,7 @@ class ServerCheckpoints:
         metadata = dict(metadata or {})
         if self.precision.scales_loss:
             metadata["precision"] = self.precision.state_dict()
-        return self._save(Path(path), metadata)
+        return self._save(Path(path), with_model_config(metadata, self.model_config))
 
     def load_checkpoint(self, path: str | Path) -> Checkpoint:
         """Load a checkpoint of any engine into the servers (see the module's docstring)."""
