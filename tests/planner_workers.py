@@ -90,3 +90,45 @@ def auto_worker(budget: str | None, global_batch: int):
         "measured": engine.memory_report()["total"]["peak"],
         "engine": engine.name,
     }
+
+
+def wide(seed: int = 0):
+    """An mlp whose optimizer step is a large share of its step: 2.6M parameters, a
+    small batch (the probe's error once added seconds to a step of milliseconds)."""
+    from paratrain.models import build_model
+
+    torch.manual_seed(seed)
+    return build_model("mlp", in_features=512, hidden=1024, depth=3, classes=10)
+
+
+def wide_batch(size: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size, 512, generator=generator)
+    return inputs, torch.randint(0, 10, (size,), generator=generator)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def median_step_seconds(strategy: str, options: dict, global_batch: int, steps: int) -> float:
+    """The median seconds of ``steps`` timed train steps of ``wide`` after two untimed
+    ones (allocation, the fused kernel's first call), every worker in step."""
+    import statistics
+    import time
+
+    import paratrain
+    from paratrain.models import loss_for
+
+    engine = paratrain.setup(
+        wide(), optimizer=adamw, loss_fn=loss_for("mlp"), strategy=strategy, **options
+    )
+    seconds = []
+    for step in range(2 + steps):
+        batch = wide_batch(global_batch, seed=step)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        engine.train_step(*batch)
+        if step >= 2:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)

@@ -5,9 +5,10 @@ Memory bar: the issue asks for predicted peaks within 10% of the measured ones
 (``ACCURACY``). The predictions here are the engines' own bookkeeping applied to costs
 measured on the same model and batch, so on these configurations they come out exact to
 the byte or within a few bytes (rounding of a fitted line); the 10% is the contract the
-planner states (and its ``MARGIN``), not a figure tuned to pass. Step times are never
-asserted: they are measured, noisy and machine-dependent (``bench_planner.py`` reports
-their ranking).
+planner states (and its ``MARGIN``), not a figure tuned to pass. Step times are measured,
+noisy and machine-dependent (``bench_planner.py`` reports their ranking): one test holds
+the chosen plan's and the runner-up's within a wide factor (``STEP_TIME_FACTOR``) of
+measured, on a model where the optimizer matters.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.planner import measure
 from paratrain.planner.api import candidates
 from paratrain.planner.choose import MARGIN, Candidate, NoPlanFits, rank
+from paratrain.planner.machine import cores
 from paratrain.planner.measure import measure_model, measure_optimizer
 from tests import planner_workers as pw
 
@@ -110,6 +112,33 @@ def test_invalid_layouts_are_never_proposed_and_fixed_options_restrict():
     )
     assert fixed and {c.strategy for c in fixed} == {"pipeline"}
     assert all(c.options["stages"] == 2 for c in fixed)
+
+
+def test_the_optimizer_step_is_timed_with_the_threads_a_worker_gets():
+    """With the planning process on more threads than a worker (its own default: every
+    core), the optimizer probe once ran on the planner's threads and, on a busy machine,
+    predicted a step hundreds of times too long (issue 24)."""
+    seen: list[int] = []
+
+    def adam_that_notes_threads(params):
+        optimizer = torch.optim.Adam(params, lr=1e-3)
+        optimizer.register_step_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        return optimizer
+
+    devices = 2
+    worker = max(1, cores() // devices)
+    with measure.threads(worker + 3):  # the planner's own, unlike any worker's
+        paratrain.predict(
+            pw.model("mlp"),
+            strategy="dp",
+            devices=devices,
+            global_batch=8,
+            optimizer=adam_that_notes_threads,
+            loss_fn=pw.loss("mlp"),
+            sample=pw.batch("mlp", 8),
+            machine=pw.machine(),
+        )
+    assert seen and set(seen) == {worker}, seen
 
 
 def test_the_optimizer_is_read_not_assumed():
@@ -339,3 +368,60 @@ def test_a_slow_model_is_measured_at_sizes_one_run_of_which_fits_the_budget(monk
     assert measure._affordable_size(whole_run, 64) == 64
     assert measure._affordable_size(whole_run, 3) == 3
     assert measure._affordable_size(whole_run, 1) == 1
+
+
+# ------------------------------------------------------------------ step time, measured
+
+STEP_TIME_FACTOR = 3.0
+"""How far a predicted step time may be from the measured one, either way. The prediction
+adds per-layer compute timed alone (scaled to the whole model's), collectives measured
+once per machine, and the optimizer's step from a probe; what it leaves out (Python
+overhead between the pieces, the overlap of an all-reduce with the backward) and the
+load of other processes on a shared CPU (the collectives may have been measured under
+another load than the run's) make it err by tens of percent (``bench_planner.py``). The
+factor leaves room for twice that and a busy machine, and is still far inside the error
+it is here to catch: the optimizer probe timed with the planning process's threads
+instead of a worker's predicted steps hundreds of times too long on this model."""
+
+
+def _runner_up(plan) -> Candidate:
+    """The fastest predicted candidate of another strategy than the chosen one."""
+    others = [
+        c
+        for c in plan.candidates
+        if c.prediction is not None and c.strategy != plan.strategy and c.invalid is None
+    ]
+    return min(others, key=lambda c: c.prediction.step_s)
+
+
+@pytest.mark.slow
+def test_predicted_step_times_of_the_chosen_and_the_runner_up_are_near_the_measured(
+    tmp_path, monkeypatch
+):
+    """On a model whose optimizer step is a large share of its step, and with the planning
+    process on more threads than a worker gets (what a user's own
+    ``torch.set_num_threads`` or a many-core machine gives), the predictions hold."""
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))
+    global_batch, devices = 8, 2
+    with measure.threads(4 * cores()):
+        plan = paratrain.plan(
+            pw.wide(),
+            devices=devices,
+            global_batch=global_batch,
+            optimizer=pw.adamw,
+            loss_fn=pw.loss("mlp"),
+            sample=pw.wide_batch(global_batch),
+            gradient_accumulation=1,
+        )
+    runner_up = _runner_up(plan)
+    for strategy, options, predicted in (
+        (plan.strategy, plan.options, plan.predicted_step_s),
+        (runner_up.strategy, runner_up.setup_options, runner_up.prediction.step_s),
+    ):
+        measured = paratrain.launch(
+            pw.median_step_seconds, devices=devices, args=(strategy, options, global_batch, 8)
+        )[0]
+        ratio = predicted / measured
+        assert 1 / STEP_TIME_FACTOR <= ratio <= STEP_TIME_FACTOR, (
+            f"{strategy} {options}: predicted {predicted:.4f} s, measured {measured:.4f} s"
+        )

@@ -121,3 +121,40 @@ def test_ctrl_c_stops_every_process_with_one_line(tmp_path, progress):
     else:
         assert err == f"{INTERRUPTED}\n", err[-3000:]
     assert _gone(workers), "a worker process outlived Ctrl-C"
+
+
+def _process_group(pgid: int) -> list[int]:
+    """Every live process of a process group (the launcher, its workers, ps's servers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_a_ps_job_saves_a_checkpoint(tmp_path):
+    """A scheduler's preemption (Slurm, Kubernetes) signals every process of the job, the
+    parameter servers too: they hold the parameters and optimizer state, so they must
+    serve the workers' checkpoint before they go (they once died of the signal first,
+    and the run ended with "stopped by SIGTERM before the workers could write a
+    checkpoint"). Nothing may outlive the job either."""
+    run = tmp_path / "run"
+    process = _start(["--strategy", "ps", "--steps", "100000", "--run-dir", str(run)])
+    _wait_for_training(run / "metrics.jsonl", process)
+    everyone = _process_group(process.pid)
+    assert len(everyone) >= 4, "expected the launcher, two workers and a server"
+    os.killpg(process.pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "ParameterServerLost" not in err, err[-3000:]
+    line = next(ln for ln in err.splitlines() if "stopped by SIGTERM" in ln)
+    step = int(line.split("after step ")[1].split(";")[0])
+    saved = run / "checkpoints" / f"step-{step:08d}"
+    assert f"checkpoint {saved}" in line
+    assert Checkpoint(saved).step == step  # verified: every checksum, the step it names
+    assert _gone(everyone), "a process of the job outlived it"

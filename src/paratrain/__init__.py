@@ -5,6 +5,7 @@ results = paratrain.launch(worker, devices=4)
 best = paratrain.plan(model, devices=4, global_batch=64, memory_per_device="16GiB", ...)
 """
 
+import paratrain.runtime  # noqa: F401 - first: a launched worker dies with its launcher
 from paratrain.api import setup
 from paratrain.checkpoints.format import CheckpointError
 from paratrain.checkpoints.model_state import load_model_state

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from paratrain.config import AUTO, TrainConfig, build_config, load_toml
 from paratrain.planner import NoPlanFits
 from paratrain.planner.choose import format_table
+from paratrain.train_command import train_command
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -35,8 +36,8 @@ def plan_command(args: argparse.Namespace) -> int:
     print(chosen.summary())
     print()
     print(chosen.table())
-    flags = _flags(planned, chosen.strategy)
-    print(f"\nto train with it: paratrain train {flags}")
+    # Devices resolved: the run planned, whatever this machine's default is later.
+    print(f"\nto train with it: {train_command(replace(planned, devices=chosen.devices))}")
     return 0
 
 
@@ -44,21 +45,3 @@ def _devices() -> int:
     from paratrain.runtime.launch import default_device_count
 
     return default_device_count()
-
-
-def _flags(config: TrainConfig, strategy: str) -> str:
-    """The train flags that reproduce the choice: the run's own, then the strategy's."""
-    from paratrain.config import declared_option_names
-
-    parts = [f"--model {config.model}", f"--dataset {config.dataset}", f"--strategy {strategy}"]
-    defaults = TrainConfig()
-    for name in ("devices", "global_batch", "gradient_accumulation", "precision"):
-        value = getattr(config, name)
-        if value is not None and value != getattr(defaults, name):
-            parts.append(f"--{name.replace('_', '-')} {value}")
-    for name in declared_option_names():
-        value = getattr(config, name)
-        if value != getattr(defaults, name):
-            flag = "--" + name.replace("_", "-")
-            parts.append(flag if value is True else f"{flag} {value}")
-    return " ".join(parts)

@@ -53,7 +53,7 @@ class ModelMeasurements:
         self.model, self.sample, self.loss_fn = model, sample, loss_fn
         self.split_plan = split_plan
         self.worker_threads = worker_threads
-        self.optimizer = measure_optimizer(optimizer)
+        self.optimizer = measure_optimizer(optimizer, worker_threads=worker_threads)
         self._costs: dict[tuple[str, int], ModelCosts | ValueError] = {}
 
     def costs(self, precision: str, tensor: int) -> ModelCosts:

@@ -10,7 +10,6 @@ values, tensors included, come back intact and in rank order.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import multiprocessing as mp
 import os
@@ -35,6 +34,7 @@ from paratrain.runtime.external_job import (
     run_in_external_job,
 )
 from paratrain.runtime.hang import STORE_ENV
+from paratrain.runtime.parent_death import launcher_pid_exported
 from paratrain.runtime.signals import forwarding_termination, ignore_interrupts
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -162,8 +162,9 @@ def launch(
     ]
     try:
         with forwarding_termination(processes) as terminated:
-            for process in processes:
-                process.start()
+            with launcher_pid_exported():  # each worker dies with this process (see there)
+                for process in processes:
+                    process.start()
             try:
                 results = _collect(processes, results_queue, devices, store)
             except WorkerError as error:
@@ -273,21 +274,8 @@ def _join_all(processes: list, timeout_s: float) -> None:
         process.join(max(0.0, deadline - time.monotonic()))
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker if the launching process dies, so none is orphaned."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) -> None:
-    _die_with_parent()
-    ignore_interrupts()
+    ignore_interrupts()  # dying with the launcher was armed on import (parent_death)
     os.environ.update(
         {
             CHILD_FLAG: "1",

@@ -13,7 +13,9 @@ Workers of a synchronous engine must stop after the same step, or the checkpoint
 collective) would wait for a worker still training. So each step they agree, with one
 all-reduce of a single number, on whether any of them was told to stop. Workers that never
 wait on each other (``Engine.independent_workers``, the parameter server) each stop on
-their own notice instead.
+their own notice instead. A scheduler's SIGTERM often reaches every process of the job;
+ps's servers ignore it (their life is bounded by the workers'), so that they are still
+there to write the checkpoint the workers ask for.
 """
 
 from __future__ import annotations

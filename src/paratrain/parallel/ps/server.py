@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -538,12 +539,29 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
+def _outlive_signals_to_the_job() -> None:
+    """Ignore SIGTERM and Ctrl-C's SIGINT: they are the workers' and the launcher's to act on.
+
+    Why: a scheduler preempts a job by sending SIGTERM to every process of it (Slurm,
+    Kubernetes), servers included. The workers answer it by finishing their step and
+    saving a checkpoint, and in ps the servers write its parameters and optimizer state:
+    a server that died of the signal would leave them nothing to save. On Ctrl-C the
+    launcher stops the workers, and a server's KeyboardInterrupt would only add a
+    traceback. Neither signal can leave a server behind, since its life is bounded by the
+    job (see the module docstring): it exits once every worker said goodbye or died, or
+    within a second of the launch store disappearing. SIGKILL still ends it at once.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one paratrain parameter server")
     parser.add_argument("--store", required=True, help="host:port of the launch store")
     parser.add_argument("--prefix", required=True, help="this engine's key prefix")
     parser.add_argument("--index", type=int, required=True, help="this server's index")
     args = parser.parse_args(argv)
+    _outlive_signals_to_the_job()
     torch.set_num_threads(1)
     import json
 
