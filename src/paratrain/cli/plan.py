@@ -15,7 +15,7 @@ from dataclasses import fields, replace
 from paratrain.config import AUTO, TrainConfig, build_config, load_toml
 from paratrain.planner import NoPlanFits
 from paratrain.planner.choose import format_table
-from paratrain.train_command import train_command
+from paratrain.cli.train_line import train_line
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -37,7 +37,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print()
     print(chosen.table())
     # Devices resolved: the run planned, whatever this machine's default is later.
-    print(f"\nto train with it: {train_command(replace(planned, devices=chosen.devices))}")
+    print(f"\nto train with it: {train_line(replace(planned, devices=chosen.devices))}")
     return 0
 
 

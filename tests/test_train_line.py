@@ -14,7 +14,7 @@ import pytest
 
 from paratrain.cli import build_parser
 from paratrain.config import TrainConfig, build_config
-from paratrain.train_command import train_command
+from paratrain.cli.train_line import train_line
 
 
 def _trained_by(line: str) -> TrainConfig:
@@ -48,7 +48,7 @@ def test_every_field_off_its_default_survives_the_round_trip(tmp_path):
         micro_batches=8,
         recompute=True,
     )
-    assert _trained_by(train_command(config)) == config
+    assert _trained_by(train_line(config)) == config
 
 
 @pytest.mark.slow

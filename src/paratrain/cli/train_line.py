@@ -21,7 +21,7 @@ _ALWAYS = ("model", "dataset", "strategy")
 """Named even at their defaults: what a reader looks for first."""
 
 
-def train_command(config: TrainConfig) -> str:
+def train_line(config: TrainConfig) -> str:
     """``paratrain train ...`` whose parsed configuration equals ``config``."""
     defaults = TrainConfig()
     parts = ["paratrain", "train"]
