@@ -13,8 +13,8 @@ from dataclasses import fields, replace
 import pytest
 
 from paratrain.cli import build_parser
-from paratrain.config import TrainConfig, build_config
 from paratrain.cli.train_line import train_line
+from paratrain.config import TrainConfig, build_config
 
 
 def _trained_by(line: str) -> TrainConfig:
@@ -53,18 +53,18 @@ def test_every_field_off_its_default_survives_the_round_trip(tmp_path):
 
 @pytest.mark.slow
 def test_the_plan_commands_line_is_the_planned_run(tmp_path, monkeypatch, capsys):
-    from paratrain import trainer
     from paratrain.cli import main
+    from paratrain.run import prepare
 
     monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "cache"))
     planned = []
-    plan_run = trainer.plan_run
+    plan_run = prepare.plan_run
 
     def recorded(config):
         planned.append(plan_run(config))
         return planned[-1]
 
-    monkeypatch.setattr(trainer, "plan_run", recorded)
+    monkeypatch.setattr(prepare, "plan_run", recorded)
     data = tmp_path / "data"
     data.mkdir()
     flags = ["--model", "mlp", "--dataset", "synthetic", "--hidden", "48", "--depth", "2"]
@@ -73,6 +73,6 @@ def test_the_plan_commands_line_is_the_planned_run(tmp_path, monkeypatch, capsys
     assert main(["plan", *flags]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("to train with it: "), line
-    ((config, chosen),) = planned
+    ((config, chosen, _bundle),) = planned
     expected = replace(config, devices=chosen.devices)
     assert _trained_by(line.removeprefix("to train with it: ")) == expected

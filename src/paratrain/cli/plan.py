@@ -12,10 +12,10 @@ import argparse
 import sys
 from dataclasses import fields, replace
 
+from paratrain.cli.train_line import train_line
 from paratrain.config import AUTO, TrainConfig, build_config, load_toml
 from paratrain.planner import NoPlanFits
 from paratrain.planner.choose import format_table
-from paratrain.cli.train_line import train_line
 
 
 def plan_command(args: argparse.Namespace) -> int:
