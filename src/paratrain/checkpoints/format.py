@@ -49,6 +49,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it is; the message names the file and the fault."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint the disk would not take (full, read-only): one sentence, the staging
+    folder removed. A ``CheckpointError`` so that the command line says it as one line
+    wherever it is raised (in a worker, or in a torchrun rank)."""
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
