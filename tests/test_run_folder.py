@@ -136,8 +136,8 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint_and_leaves_no_partia
         engine.save_checkpoint(final)
     assert str(refused.value) == (
         f"could not save checkpoint {final}: No space left on device; its partial files "
-        "were removed and the last complete checkpoint is kept; free space (or pick a "
-        "writable --run-dir) and --resume the run."
+        f"were removed and the last complete checkpoint, {final}, is kept; free space (or "
+        "pick a writable --run-dir) and --resume the run."
     )
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]  # no .final.partial
     kept = Checkpoint(final)  # verified against its checksums
@@ -160,3 +160,21 @@ def test_a_worker_s_full_disk_is_said_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "train_command", failing)
     assert main([*TRAIN, "--steps", "2"]) == 1
     assert capsys.readouterr().err.strip() == f"paratrain: {sentence}"
+
+
+def test_safetensors_disk_errors_are_told_as_the_os_error_they_wrap(tmp_path, monkeypatch):
+    """safetensors raises its own error type for a full disk (found on a 6 MiB tmpfs); the
+    shard writer makes it the OSError inside, which the save turns into its sentence."""
+    from safetensors import SafetensorError
+
+    import paratrain.checkpoints.format as checkpoint_format
+
+    def full(tensors, filename):
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(checkpoint_format, "save_file", full)
+    with pytest.raises(OSError) as raised:
+        checkpoint_format.write_shard(tmp_path, "model", 0, {"w": torch.ones(2)})
+    assert raised.value.errno == errno.ENOSPC

@@ -33,6 +33,7 @@ from paratrain.checkpoints.format import (
     CheckpointError,
     CheckpointWriteError,
     alias_entry,
+    latest_checkpoint,
     prepare_staging,
     publish,
     staging_dir,
@@ -186,10 +187,18 @@ def _abandon(directory: Path, reason: str) -> None:
         shutil.rmtree(staging_dir(directory), ignore_errors=True)
     if comm.distributed():
         comm.barrier("checkpoint barrier")
+    run_dir = (
+        directory.parent.parent if directory.parent.name == "checkpoints" else directory.parent
+    )
+    kept = latest_checkpoint(run_dir)
+    kept_line = (
+        f"the last complete checkpoint, {kept}, is kept"
+        if kept
+        else "no complete checkpoint was saved before it"
+    )
     raise CheckpointWriteError(
         f"could not save checkpoint {directory}: {reason}; its partial files were removed "
-        "and the last complete checkpoint is kept; free space (or pick a writable "
-        "--run-dir) and --resume the run."
+        f"and {kept_line}; free space (or pick a writable --run-dir) and --resume the run."
     )
 
 
