@@ -133,3 +133,47 @@ def test_cli_under_torchrun_prints_one_summary_and_refuses_another_device_count(
     assert "devices=4 was asked for inside a torchrun job of 2 processes" in refused.stderr
     # One sentence from paratrain, no traceback of ours (torchrun adds its own report after).
     assert "ConfigError" not in refused.stderr and "paratrain/cli/" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_ranks_with_different_clocks_share_one_run_folder(tmp_path):
+    """Without --run-dir, rank 1's clock an hour ahead (tests/skewed_clock_train.py): the
+    default folder is named once, by rank 0, and both ranks write the one checkpoint
+    there (before: rank 1 wrote into a folder of its own time, which rank 0 never made)."""
+    completed = _run(
+        [
+            *TORCHRUN, "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "tests" / "skewed_clock_train.py"), "train", "--model", "mlp",
+            "--dataset", "synthetic", "--steps", "3", "--global-batch", "8", "--no-progress",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 1, folders
+    assert sorted(p.name for p in (folders[0] / "final").iterdir()) == [
+        "manifest.json",
+        "model-0.safetensors",
+        "optim-0.safetensors",
+        "rng-0.safetensors",
+        "rng-1.safetensors",
+    ]
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_refuses_a_run_folder_once(tmp_path):
+    """A refusal made before training is the same on every rank; it is printed once
+    (by rank 0), not once per rank, and no rank raises a traceback of ours."""
+    (tmp_path / "taken").write_text("not a folder")
+    refused = _run(
+        [
+            *TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "paratrain", "train",
+            "--model", "mlp", "--dataset", "synthetic", "--steps", "3", "--no-progress",
+            "--run-dir", str(tmp_path / "taken"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert refused.stderr.count("is a file, not a folder") == 1, refused.stderr[-3000:]
+    # torchrun adds its own report after; none of ours (before: a FileExistsError per rank).
+    assert "FileExistsError" not in refused.stderr and "paratrain/run/" not in refused.stderr

@@ -165,6 +165,13 @@ class RunSettings:
     run_dir: str | None = field(
         default=None, metadata={"help": "output folder (default: runs/<model>-<strategy>-<time>)"}
     )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "replace the run already in --run-dir (its files are removed first); "
+            "without it such a folder is refused"
+        },
+    )
     backend: str = field(
         default="auto",
         metadata={

@@ -28,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from paratrain.checkpoints.file_modes import match_umask
@@ -47,6 +48,12 @@ KINDS = ("model", "optim", "rng")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it is; the message names the file and the fault."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint the disk would not take (full, read-only): one sentence, the staging
+    folder removed. A ``CheckpointError`` so that the command line says it as one line
+    wherever it is raised (in a worker, or in a torchrun rank)."""
 
 
 def file_sha256(path: Path) -> str:
@@ -70,9 +77,23 @@ def staging_dir(directory: str | Path) -> Path:
 def write_shard(folder: Path, kind: str, rank: int, tensors: dict[str, torch.Tensor]) -> dict:
     """Write one shard file; returns its manifest entry (sha256 and size)."""
     path = folder / shard_name(kind, rank)
-    save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path))
+    try:
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(path))
+    except SafetensorError as error:
+        raise disk_error(error) from error
     match_umask(path)  # save_file creates 0600 files whatever the umask
     return {"sha256": file_sha256(path), "bytes": path.stat().st_size, "kind": kind}
+
+
+def disk_error(error: SafetensorError) -> OSError | SafetensorError:
+    """safetensors' write error as the ``OSError`` it wraps ("I/O error: No space left on
+    device (os error 28)"), so that a full disk is told apart from a bad tensor; any
+    other error as it was."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    if not found:
+        return error
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def publish(directory: str | Path, manifest: dict[str, Any]) -> Path:
@@ -94,6 +115,16 @@ def publish(directory: str | Path, manifest: dict[str, Any]) -> Path:
     if retired.exists():
         shutil.rmtree(retired)
     return directory
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run: periodic ones, then the final one."""
+    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
+    if (run_dir / "final" / MANIFEST).exists():
+        candidates.append(run_dir / "final")
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: read_manifest(p).get("step", 0))
 
 
 def prepare_staging(directory: str | Path) -> Path:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain.checkpoints.format import MANIFEST, read_manifest
+from paratrain.checkpoints.format import MANIFEST
+from paratrain.checkpoints.format import latest_checkpoint as latest_checkpoint  # its old home
 from paratrain.config import ConfigError
 
 
@@ -25,13 +26,3 @@ def find_checkpoint(path: str | Path) -> Path:
             "pass a run folder written with --checkpoint-every or a checkpoint folder."
         )
     return latest
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run: periodic ones, then the final one."""
-    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
-    if (run_dir / "final" / MANIFEST).exists():
-        candidates.append(run_dir / "final")
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: read_manifest(p).get("step", 0))

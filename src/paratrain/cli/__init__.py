@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from paratrain.checkpoints.format import CheckpointError
+from paratrain.checkpoints.format import CheckpointError, CheckpointWriteError
 from paratrain.cli.parser import build_parser
 from paratrain.cli.report import report_command
 from paratrain.cli.train import train_command
 from paratrain.config import ConfigError
+from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
 from paratrain.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -22,12 +23,14 @@ from paratrain.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 __all__ = ["build_parser", "main"]
 
 
-def _out_of_memory(error: WorkerError) -> str | None:
-    """The one-sentence message of a worker's ``DeviceOutOfMemory``, if that is what failed."""
-    marker = f"{DeviceOutOfMemory.__name__}: "
+def _one_sentence(error: WorkerError) -> str | None:
+    """The message of a worker's error that is one sentence for the user (out of memory,
+    a checkpoint the disk refused), if that is what failed."""
+    markers = [f"{kind.__name__}: " for kind in (DeviceOutOfMemory, CheckpointWriteError)]
     for line in reversed(error.details.splitlines()):
-        if marker in line:
-            return line.split(marker, 1)[1]
+        for marker in markers:
+            if marker in line:
+                return line.split(marker, 1)[1]
     return None
 
 
@@ -54,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             return commands[args.ckpt_command](args)
     except (ConfigError, CheckpointError) as error:
-        print(f"paratrain: error: {error}", file=sys.stderr)
+        if is_main_process():  # under torchrun every rank refuses alike: said once
+            print(f"paratrain: error: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:
         if error.terminated:
@@ -63,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return EXIT_PREEMPTED
-        print(f"paratrain: {_out_of_memory(error) or error}", file=sys.stderr)
+        print(f"paratrain: {_one_sentence(error) or error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("paratrain: interrupted; every worker was stopped.", file=sys.stderr)

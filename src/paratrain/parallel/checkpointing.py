@@ -20,6 +20,7 @@ the format, and what loads where, do not depend on the tensor degree either.
 from __future__ import annotations
 
 import random
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +31,9 @@ import torch.distributed as dist
 from paratrain.checkpoints.format import (
     Checkpoint,
     CheckpointError,
+    CheckpointWriteError,
     alias_entry,
+    latest_checkpoint,
     prepare_staging,
     publish,
     staging_dir,
@@ -119,25 +122,26 @@ def save_engine_checkpoint(
     if split is not None and holds:
         model_state = split.whole_state(model_state)
         optim_tensors = split.whole_optimizer(optim_tensors)
-    if writes:
-        files[f"model-{rank}.safetensors"] = write_shard(staging, "model", rank, model_state)
-        if engine.optimizer is not None:
-            files[f"optim-{rank}.safetensors"] = write_shard(staging, "optim", rank, optim_tensors)
-    else:
+    if not writes:
         groups = None
+    shards = {"model": model_state, "optim": optim_tensors} if writes else {}
+    if engine.optimizer is None:
+        shards.pop("optim", None)
     rng = {"torch_cpu": torch.get_rng_state()}
     if engine.device.type == "cuda":
         rng["torch_cuda"] = torch.cuda.get_rng_state(engine.device)
-    files[f"rng-{rank}.safetensors"] = write_shard(
-        staging, "rng", rank, {f"{key}/{rank}": value for key, value in rng.items()}
-    )
-    part = {"files": files, "groups": groups or [], "python_rng": _python_rng()}
+    shards["rng"] = {f"{key}/{rank}": value for key, value in rng.items()}
+    failure = _write_shards(staging, rank, shards, files)
+    part = {"files": files, "groups": groups or [], "python_rng": _python_rng(), "failure": failure}
     parts = [part]
-    if comm.distributed():
-        parts = [None] * comm.world_size() if rank == 0 else None
-        dist.gather_object(part, parts, dst=0)
+    if comm.distributed():  # to every rank: a failed write is known to all
+        parts = [None] * comm.world_size()
+        dist.all_gather_object(parts, part)
+    failures = [p["failure"] for p in parts if p["failure"]]
+    if failures:
+        _abandon(directory, failures[0])
     if rank == 0:
-        publish(
+        _publish_or_abandon(
             directory,
             {
                 "layout": engine.layout(),
@@ -152,6 +156,50 @@ def save_engine_checkpoint(
     if comm.distributed():
         comm.barrier("checkpoint barrier")
     return directory
+
+
+def _write_shards(
+    staging: Path, rank: int, shards: dict[str, dict[str, torch.Tensor]], files: dict
+) -> str | None:
+    """Write this worker's shards into the staging folder, entries into ``files``; the
+    reason (``strerror``: "No space left on device") where the disk refused a write, so
+    that every worker can stop alike rather than one of them with a traceback."""
+    try:
+        for kind, tensors in shards.items():
+            files[f"{kind}-{rank}.safetensors"] = write_shard(staging, kind, rank, tensors)
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+def _publish_or_abandon(directory: Path, manifest: dict[str, Any]) -> None:
+    try:
+        publish(directory, manifest)
+    except OSError as error:
+        _abandon(directory, error.strerror or str(error))
+
+
+def _abandon(directory: Path, reason: str) -> None:
+    """A save the disk refused: the staging folder removed (by rank 0, every rank waiting
+    for it, so none is stopped before it is gone), the published checkpoints untouched,
+    and every worker raises the one sentence."""
+    if comm.rank() == 0:
+        shutil.rmtree(staging_dir(directory), ignore_errors=True)
+    if comm.distributed():
+        comm.barrier("checkpoint barrier")
+    run_dir = (
+        directory.parent.parent if directory.parent.name == "checkpoints" else directory.parent
+    )
+    kept = latest_checkpoint(run_dir)
+    kept_line = (
+        f"the last complete checkpoint, {kept}, is kept"
+        if kept
+        else "no complete checkpoint was saved before it"
+    )
+    raise CheckpointWriteError(
+        f"could not save checkpoint {directory}: {reason}; its partial files were removed "
+        f"and {kept_line}; free space (or pick a writable --run-dir) and --resume the run."
+    )
 
 
 def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Checkpoint:

@@ -9,7 +9,6 @@ the meta model, the resume, the plan), makes the run folder, launches the worker
 from __future__ import annotations
 
 import sys
-from datetime import datetime
 from pathlib import Path
 
 from paratrain.config import TrainConfig
@@ -18,8 +17,10 @@ from paratrain.run.preflight import time_sharing_warning
 from paratrain.run.prepare import PreparedRun, prepare_run
 from paratrain.run.result import RunResult, collect_result
 from paratrain.run.resume import launch_with_restarts, run_dir_of, settle_failed_run
+from paratrain.run.run_folder import check_run_dir, default_run_dir, make_run_dir
 from paratrain.run.worker import train_worker
-from paratrain.runtime.external_job import is_main_process
+from paratrain.runtime.external_job import decided_once, is_main_process, join_job, leave_job
+from paratrain.runtime.launch import in_external_job, resolve_backend
 
 __all__ = ["RunResult", "fit"]
 
@@ -28,13 +29,17 @@ def fit(config: TrainConfig) -> RunResult:
     """Train as ``config`` says on local workers (or inside torchrun) and return the summary."""
     run = prepare_run(config)
     config = run.config  # the planner's choice where the run asked for one
-    run_dir = _run_dir(run)
+    if in_external_job():  # the group now, so that rank 0 alone decides the folder
+        join_job(config.backend, config.timeout, resolve_backend)
+    try:
+        run_dir, created = decided_once(lambda: _settle_run_dir(run))
+    except BaseException:
+        leave_job()  # every rank refuses alike; no group left to abort at exit
+        raise
     # Said once every check has passed: a refused run's output is its one sentence.
     warning = time_sharing_warning(config, run.devices)
     if warning and is_main_process():
         print(warning, file=sys.stderr)
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
     if run.resumed and is_main_process():
         print(f"paratrain: resuming {run.resumed}", file=sys.stderr)
     try:
@@ -57,6 +62,15 @@ def fit(config: TrainConfig) -> RunResult:
     return result
 
 
+def _settle_run_dir(run: PreparedRun) -> tuple[Path, bool]:
+    """The run folder, checked and made (rank 0's decision under torchrun, with its
+    clock); returns it and whether this run made it."""
+    path = _run_dir(run)
+    resumed_in = run_dir_of(run.resume_from) if run.resume_from else None
+    check_run_dir(path, resumed_in=resumed_in, overwrite=run.config.overwrite)
+    return path, make_run_dir(path, overwrite=run.config.overwrite)
+
+
 def _run_dir(run: PreparedRun) -> Path:
     """``--run-dir``, else the folder of the run being resumed, else a new dated one."""
     if run.config.run_dir:
@@ -64,5 +78,4 @@ def _run_dir(run: PreparedRun) -> Path:
     resumed_in = run_dir_of(run.resume_from) if run.resume_from else None
     if resumed_in:
         return resumed_in
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{run.config.model}-{run.config.strategy}-{stamp}"
+    return default_run_dir(run.config)

@@ -70,9 +70,12 @@ def settle_failed_run(run_dir: Path, error: BaseException, *, created: bool) -> 
     if created and not logged and latest_checkpoint(run_dir) is None:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    writer = MetricsWriter(metrics)
-    writer.write("failed", error=failure_sentence(error))
-    writer.close()
+    try:
+        writer = MetricsWriter(metrics)
+        writer.write("failed", error=failure_sentence(error))
+        writer.close()
+    except OSError:  # a full or read-only disk: the run's own error says so, not this one
+        pass
 
 
 def failure_sentence(error: BaseException) -> str:

@@ -59,9 +59,9 @@ seed also generates the synthetic datasets)."""
 
 FIXED = MODEL_FIELDS + OPTIMIZER_FIELDS + DATA_FIELDS
 
-NOT_INHERITED = ("resume", "run_dir")
+NOT_INHERITED = ("resume", "run_dir", "overwrite")
 """Where this run is: the checkpoint named now, and (unless given) the checkpoint's run
-folder, wherever it has been moved to."""
+folder, wherever it has been moved to; and whether this run may replace one there."""
 
 
 def saved_config(checkpoint: str | Path) -> dict[str, Any] | None:

@@ -16,12 +16,18 @@ import gc
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 CHILD_FLAG = "PARATRAIN_LAUNCHED_WORKER"
+
+T = TypeVar("T")
+
+_joined_here = False
+"""True while the job's group is one that ``join_job`` made (``run_in_external_job``
+destroys it, as it does a group it made itself)."""
 
 
 def in_external_job() -> bool:
@@ -75,14 +81,8 @@ def run_in_external_job(
     exception") after its work is done. A group the script created is the script's to
     destroy. Nothing is destroyed when ``fn`` raises: a rank that failed must not wait in
     a collective teardown on ranks that are still training."""
-    owned = not dist.is_initialized()
-    if owned:
-        world = job_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        resolved = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if resolved == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(resolved, timeout=timedelta(seconds=timeout_s))
+    join_job(backend, timeout_s, resolve_backend)
+    owned = _joined_here  # made by this call or by an earlier join_job
     value = fn(*args, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
@@ -91,10 +91,57 @@ def run_in_external_job(
         # The engine ``fn`` built sits in reference cycles (its hooks close over it) that
         # hold its subgroups; collected now, they are freed with the interpreter alive.
         gc.collect()
-        dist.barrier()  # no rank leaves while another is still receiving
-        dist.destroy_process_group()
+        leave_job()
     if rank == 0:
         return gathered
     own: list[Any] = [None] * world
     own[rank] = value
     return own
+
+
+def join_job(backend: str, timeout_s: float, resolve_backend: Callable[[str, int], str]) -> bool:
+    """Join the job's process group unless this process is in it already; True if this
+    call made it (then ``run_in_external_job`` or ``leave_job`` destroys it)."""
+    global _joined_here
+    if dist.is_initialized():
+        return False
+    world = job_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    resolved = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if resolved == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(resolved, timeout=timedelta(seconds=timeout_s))
+    _joined_here = True
+    return True
+
+
+def leave_job() -> None:
+    """Destroy the group ``join_job`` made, once every rank has arrived (no rank leaves
+    while another is still receiving); nothing where the script made the group."""
+    global _joined_here
+    if _joined_here and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _joined_here = False
+
+
+def decided_once(decide: Callable[[], T]) -> T:
+    """``decide()`` run on rank 0 alone and its value (or its exception) given to every
+    rank, so that what must agree across ranks (a run folder named from a clock) does.
+
+    Outside a job (no group) it is simply ``decide()``. Inside one the group must exist
+    (``join_job``); the value travels by ``broadcast_object_list`` over the group, never
+    through a file. Every rank raises rank 0's exception, so all refuse alike."""
+    if not dist.is_initialized():
+        return decide()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, decide())
+        except Exception as error:  # every rank raises it below
+            box[0] = (False, error)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
