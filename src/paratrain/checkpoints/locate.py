@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain.checkpoints.format import MANIFEST, read_manifest
+from paratrain.checkpoints.format import MANIFEST, Checkpoint, CheckpointError, read_manifest
 from paratrain.config import ConfigError
 
 
@@ -35,3 +35,26 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if not candidates:
         return None
     return max(candidates, key=lambda p: read_manifest(p).get("step", 0))
+
+
+def intact_before(run_dir: Path, damaged: Path) -> Path | None:
+    """The newest checkpoint of ``run_dir`` other than ``damaged`` that passes every check:
+    what a refusal of a damaged newest checkpoint offers instead."""
+    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / MANIFEST).exists()]
+    if (run_dir / "final" / MANIFEST).exists():
+        candidates.append(run_dir / "final")
+    steps = {}
+    for path in candidates:
+        if path.resolve() == damaged.resolve():
+            continue
+        try:
+            steps[path] = int(read_manifest(path).get("step", 0))
+        except CheckpointError:
+            continue
+    for path in sorted(steps, key=steps.__getitem__, reverse=True):
+        try:
+            Checkpoint(path)
+        except CheckpointError:
+            continue
+        return path
+    return None

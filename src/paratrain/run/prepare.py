@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import nn
 
-from paratrain.checkpoints.format import Checkpoint
-from paratrain.checkpoints.locate import find_checkpoint
+from paratrain.checkpoints.format import Checkpoint, CheckpointError
+from paratrain.checkpoints.locate import find_checkpoint, intact_before
 from paratrain.config import AUTO, ConfigError, TrainConfig
 from paratrain.data import DatasetBundle
 from paratrain.models import build_model, loss_for
@@ -117,7 +117,13 @@ def _check_resume(
     resume_from = find_checkpoint(config.resume)
     if not resume_from:
         return resume_from, None
-    checkpoint = Checkpoint(resume_from)
+    try:
+        checkpoint = Checkpoint(resume_from)
+    except CheckpointError as error:
+        older = intact_before(Path(config.resume), resume_from)
+        if resume_from == Path(config.resume) or older is None:
+            raise
+        raise CheckpointError(f"{str(error)[:-1]}; resume from {older} instead.") from None
     check_resumable(checkpoint, config, model())
     saved_step = checkpoint.step
     if saved_step >= length.steps:

@@ -90,7 +90,7 @@ def train_worker(
             preempted_at = step
             break
     notice.close()
-    return finish(run, preempted_at)
+    return finish(run, preempted_at, restarts=attempt)
 
 
 def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerRun:
@@ -229,10 +229,11 @@ def log_step(run: WorkerRun, step: int) -> None:
         run.bar.update(1)
 
 
-def finish(run: WorkerRun, preempted_at: int | None) -> dict[str, Any]:
+def finish(run: WorkerRun, preempted_at: int | None, restarts: int = 0) -> dict[str, Any]:
     """Close what the loop opened, save the final checkpoint (or, stopped by SIGTERM, one
     where ``--resume`` finds it as the newest), write the memory records and the summary,
-    and return this worker's report."""
+    and return this worker's report (``restarts``: relaunches after a failed worker that
+    this run took to finish, said in its summary)."""
     engine, run_dir = run.engine, run.run_dir
     run.train_tally.close()
     if run.bar is not None:
@@ -249,7 +250,7 @@ def finish(run: WorkerRun, preempted_at: int | None) -> dict[str, Any]:
     )
     write_memory(engine, run.metrics)
     total = time.perf_counter() - run.timed_from
-    report = _report(run, checkpoint, preempted_at, total)
+    report = {**_report(run, checkpoint, preempted_at, total), "restarts": restarts}
     if run.metrics:
         if not engine.independent_workers:  # else the parent writes the run's summary
             skip = ("rank", "memory")  # memory has its own records, one per worker
