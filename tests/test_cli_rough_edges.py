@@ -68,3 +68,16 @@ def test_a_closed_pipe_ends_quietly():
     err = writer.stderr.read().decode()
     assert writer.wait(timeout=60) == 1
     assert err == "", err
+
+
+def test_plan_refuses_a_resume_from_its_config_file(tmp_path, capsys):
+    """--resume is no plan flag; a run file that names one gets a sentence, not silence."""
+    from paratrain.cli import main
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('model = "mlp"\nresume = "/nonexistent"\n')
+    assert main(["plan", "--config", str(run_file)]) == 2
+    assert capsys.readouterr().err == (
+        "paratrain: error: paratrain plan plans a fresh run, so its --config cannot name "
+        "resume; leave it out (paratrain train --resume continues a run under any layout).\n"
+    )
