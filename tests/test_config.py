@@ -29,15 +29,15 @@ def test_unknown_key_in_file_is_refused_with_the_known_keys(tmp_path):
 
 
 def test_wrong_types_and_values_are_refused():
-    with pytest.raises(ConfigError, match="steps must be a int, not 'ten'"):
+    with pytest.raises(ConfigError, match="steps must be an integer, not 'ten'"):
         build_config({}, {"steps": "ten"})
-    with pytest.raises(ConfigError, match="steps must be a int, not 1.5"):
+    with pytest.raises(ConfigError, match="steps must be an integer, not 1.5"):
         build_config({"steps": 1.5})
     with pytest.raises(ConfigError, match="steps must be at least 1"):
         build_config({"steps": 0})
     with pytest.raises(ConfigError, match="optimizer must be sgd, adam or adamw"):
         build_config({"optimizer": "lion"})
-    with pytest.raises(ConfigError, match="progress must be a bool"):
+    with pytest.raises(ConfigError, match="progress must be true or false"):
         coerce("progress", "maybe", bool)
 
 

@@ -57,7 +57,7 @@ def test_eval_batches_takes_a_count_or_all():
     assert build_config({}, {"eval_batches": "all"}).eval_batches == "all"
     assert build_config({"eval_batches": "ALL"}).eval_batches == "all"
     assert build_config({"eval_batches": 3}).eval_batches == 3
-    with pytest.raises(ConfigError, match="eval_batches must be a int or all"):
+    with pytest.raises(ConfigError, match="eval_batches must be an integer or all"):
         build_config({}, {"eval_batches": "most"})
     with pytest.raises(ConfigError, match="at least 1 or all"):
         TrainConfig(eval_batches=0)

@@ -35,9 +35,11 @@ def test_the_strategy_and_the_memory_check_share_one_meta_model(builds):
     assert run.config is config and run.devices == 2 and run.plan is None
 
 
-def test_a_run_no_check_needs_the_model_for_builds_none(builds):
+def test_every_run_builds_the_meta_model_once_to_check_the_model_options(builds):
+    """Even where no strategy check reads the model: building it is how an option the
+    builder refuses (--n-embd 66 with 4 heads) is refused before launch (issue 24, 6)."""
     prepare_run(TrainConfig(model="mlp", dataset="synthetic", strategy="dp", devices=2))
-    assert builds == []
+    assert builds == ["meta"]
 
 
 def test_a_budget_the_parameters_exceed_is_refused_in_one_sentence(builds):

@@ -215,6 +215,11 @@ class RunSettings:
             ("warmup_steps", 0),
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
+            ("n_layer", 1),
+            ("n_head", 1),
+            ("n_embd", 1),
+            ("hidden", 1),
+            ("depth", 0),
         ):
             value = getattr(self, name)
             if value is not None and value < minimum:
@@ -227,6 +232,15 @@ class RunSettings:
             raise ConfigError(f"devices must be at least 1, not {self.devices}.")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, not {self.lr}.")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be at least 0, not {self.weight_decay}.")
+        if self.momentum < 0:
+            raise ConfigError(f"momentum must be at least 0, not {self.momentum}.")
+        if self.momentum and self.optimizer != "sgd":
+            raise ConfigError(
+                f"momentum is an SGD setting that {self.optimizer} has no use for; pass "
+                "--optimizer sgd or leave --momentum out."
+            )
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, not {self.timeout}.")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -376,7 +390,12 @@ def coerce(name: str, value: Any, kind: type) -> Any:
         except ValueError:
             pass
     alternatives = "".join(f" or {word}" for word in _words(name))
-    raise ConfigError(f"{name} must be a {kind.__name__}{alternatives}, not {value!r}.")
+    noun = _KIND_NOUNS.get(kind, f"a {kind.__name__}")
+    raise ConfigError(f"{name} must be {noun}{alternatives}, not {value!r}.")
+
+
+_KIND_NOUNS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+"""How a refusal names a field's type: words, not Python's type names."""
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

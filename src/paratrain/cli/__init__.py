@@ -7,6 +7,7 @@ errors a user can act on into one line and an exit status.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -32,6 +33,14 @@ def _one_sentence(error: WorkerError) -> str | None:
             if marker in line:
                 return line.split(marker, 1)[1]
     return None
+
+
+def _quiet_stdout() -> None:
+    """The reader of our output went away (``paratrain report RUN | head``): point stdout at
+    /dev/null so the interpreter's last flush raises nothing, and end without a traceback
+    (Python's documented recipe for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return EXIT_PREEMPTED
         print(f"paratrain: {_one_sentence(error) or error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        _quiet_stdout()
         return 1
     except KeyboardInterrupt:
         print("paratrain: interrupted; every worker was stopped.", file=sys.stderr)

@@ -13,20 +13,74 @@ from dataclasses import MISSING, Field, fields
 from paratrain import __version__
 from paratrain.config import TrainConfig, field_types
 
+PLAN_FIELDS = (
+    "model",
+    "dataset",
+    "strategy",
+    "devices",
+    "global_batch",
+    "gradient_accumulation",
+    "optimizer",
+    "momentum",
+    "max_grad_norm",
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "tie_embeddings",
+    "hidden",
+    "depth",
+    "precision",
+    "memory_per_device",
+    "data_dir",
+    "backend",
+)
+"""What ``paratrain plan`` measures and predicts with (besides every strategy option)."""
 
-def _add_config_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+PLAN_REFUSES = ("resume",)
+"""Train flags ``paratrain plan`` does not take: it plans a fresh run."""
+
+PLAN_STRATEGY_HELP = (
+    "the strategy to plan (default: auto, every strategy; name one to plan only its layouts)"
+)
+
+
+def _add_config_flags(
+    parser: argparse.ArgumentParser,
+    only: Sequence[str] | None = None,
+    *,
+    carried: Sequence[str] = (),
+    helps: dict[str, str] | None = None,
+) -> None:
     """A flag per TrainConfig field (or per field named in ``only``); the strategies' own
-    options in a group of their own."""
+    options in a group of their own (none where no such option is chosen); the fields in
+    ``carried`` in a group that says they only pass on to the printed train line;
+    ``helps`` replaces a field's help (``plan``'s own --strategy default)."""
     kinds = field_types()
-    strategy_group = parser.add_argument_group(
-        "strategy options", "each applies to the strategies named in its help"
-    )
-    for item in fields(TrainConfig):
-        if only is not None and item.name not in only:
-            continue
-        target = strategy_group if item.metadata.get("strategies") else parser
+    chosen = [item for item in fields(TrainConfig) if only is None or item.name in only]
+    strategy_group = None
+    if any(item.metadata.get("strategies") for item in chosen):
+        strategy_group = parser.add_argument_group(
+            "strategy options", "each applies to the strategies named in its help"
+        )
+    carried_group = None
+    if carried:
+        carried_group = parser.add_argument_group(
+            "the run's other settings",
+            "not used by the plan; carried into its `to train with it` line",
+        )
+    for item in chosen:
+        if item.metadata.get("strategies"):
+            target = strategy_group
+        elif item.name in carried:
+            target = carried_group
+        else:
+            target = parser
         flag = "--" + item.name.replace("_", "-")
-        help_text = flag_help(item, is_bool=kinds[item.name] is bool)
+        if helps and item.name in helps:
+            help_text = helps[item.name]
+        else:
+            help_text = flag_help(item, is_bool=kinds[item.name] is bool)
         if kinds[item.name] is bool:
             target.add_argument(
                 flag,
@@ -60,6 +114,13 @@ def flag_help(item: Field, *, is_bool: bool) -> str:
     return f"{text} (default: {default})"
 
 
+def _is_option(name: str) -> bool:
+    """Whether ``name`` is a strategy's own option (planned with, in its own group)."""
+    return any(
+        item.name == name and item.metadata.get("strategies") for item in fields(TrainConfig)
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paratrain", description="Train one PyTorch model on several devices."
@@ -75,7 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-per-device, and every candidate with its memory, time and verdict",
     )
     plan.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
-    _add_config_flags(plan)
+    everything = [item.name for item in fields(TrainConfig) if item.name not in PLAN_REFUSES]
+    _add_config_flags(
+        plan,
+        only=everything,
+        carried=[name for name in everything if name not in PLAN_FIELDS and not _is_option(name)],
+        helps={"strategy": PLAN_STRATEGY_HELP},
+    )
     report = commands.add_parser(
         "report",
         help="summarise a run and draw report.png (and its timeline where it recorded one); "

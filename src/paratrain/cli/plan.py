@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields, replace
 
 from paratrain.cli.train_line import train_line
-from paratrain.config import AUTO, TrainConfig, build_config, load_toml
+from paratrain.config import AUTO, ConfigError, TrainConfig, build_config, load_toml
 from paratrain.planner import NoPlanFits
 from paratrain.planner.choose import format_table
 
@@ -22,7 +22,12 @@ def plan_command(args: argparse.Namespace) -> int:
     from paratrain.run.prepare import plan_run
 
     file_values = load_toml(args.config) if args.config else {}
-    overrides = {item.name: getattr(args, item.name) for item in fields(TrainConfig)}
+    if file_values.get("resume") is not None:
+        raise ConfigError(
+            "paratrain plan plans a fresh run, so its --config cannot name resume; leave it "
+            "out (paratrain train --resume continues a run under any layout)."
+        )
+    overrides = {item.name: getattr(args, item.name, None) for item in fields(TrainConfig)}
     if overrides.get("strategy") is None and file_values.get("strategy") is None:
         overrides["strategy"] = AUTO  # left out: every strategy
     config = build_config(file_values, overrides)

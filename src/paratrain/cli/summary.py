@@ -50,6 +50,9 @@ def format_summary(result) -> str:
     ]
     if result.resumed:
         lines.insert(1, f"  resumed {result.resumed}")
+    if result.restarts:
+        where = "its last checkpoint after a failed worker (--max-restarts)"
+        lines.insert(1, f"  restarted {result.restarts} time(s) from {where}")
     if result.final_eval_loss is not None:
         lines.append(f"  final eval loss   {result.final_eval_loss:.4f}")
     if result.final_accuracy is not None:

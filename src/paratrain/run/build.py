@@ -65,8 +65,8 @@ def meta_model(config: TrainConfig, bundle: DatasetBundle) -> nn.Module:
 
 def meta_model_once(config: TrainConfig, bundle: DatasetBundle) -> Callable[[], nn.Module]:
     """``meta_model`` built on first call and the same model returned after: the parent's
-    checks share one, and a run no check needs it for never builds it (a model option
-    the builder refuses is then refused where it always was)."""
+    checks share one (``preflight.check_model_options`` builds it first, so that an option
+    the builder refuses is refused before launch)."""
     built: list[nn.Module] = []
 
     def build() -> nn.Module:

@@ -44,7 +44,18 @@ class RunLength:
 
 
 def run_length(config: TrainConfig, train_samples: int) -> RunLength:
-    """The run's length from ``config`` and the training split's size."""
+    """The run's length from ``config`` and the training split's size; a warmup longer
+    than the run is refused (the rate would never reach ``--lr``)."""
+    length = _length(config, train_samples)
+    if config.warmup_steps > length.steps:
+        raise ConfigError(
+            f"--warmup-steps {config.warmup_steps} is longer than the run's {length.steps} "
+            "steps, so the lr would never reach --lr; lower --warmup-steps or train longer."
+        )
+    return length
+
+
+def _length(config: TrainConfig, train_samples: int) -> RunLength:
     per_epoch = train_samples // config.global_batch
     if config.epochs is None:
         return RunLength(config.steps or DEFAULT_STEPS, max(per_epoch, 1))

@@ -12,8 +12,9 @@ every check has passed, so that a refused run says only why.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -51,16 +52,41 @@ def check_names(config: TrainConfig, *, strategy: bool = True) -> None:
     and ``--tensorboard`` without its package. ``strategy=False`` for a run the planner is
     still to choose for (``auto``, ``paratrain plan``): the planner judges that name."""
     if config.model not in MODEL_NAMES:
-        raise ConfigError(
-            f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}."
-        )
+        raise ConfigError(unknown_name("model", config.model, MODEL_NAMES))
     check_dataset(config)
     if strategy and config.strategy not in strategy_names():
-        raise ConfigError(
-            f"unknown strategy {config.strategy!r}; choose one of {', '.join(strategy_names())}."
-        )
+        raise ConfigError(unknown_name("strategy", config.strategy, strategy_names()))
     check_data_dir(config)
     check_tensorboard(config)
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
+    """The refusal of an unknown name: the closest known one first where it is a likely
+    typo (``gtp`` -> gpt, ``zer03`` -> zero3: one edit per four letters, a swap of two
+    neighbours counting one), then every choice. difflib ranks the candidates; the edit
+    count keeps it from offering lenet for resnet, which is another model, not a typo."""
+    choices = list(choices)
+    allowed = max(1, len(name) // 4)
+    close = [
+        choice
+        for choice in difflib.get_close_matches(name.lower(), choices, n=3, cutoff=0.5)
+        if _edits(name.lower(), choice) <= allowed
+    ]
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown {kind} {name!r}; {guess}choose one of {', '.join(choices)}."
+
+
+def _edits(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours that make ``a`` into
+    ``b`` (the optimal string alignment distance)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
 
 
 def check_layout(config: TrainConfig) -> int:
@@ -73,10 +99,20 @@ def check_layout(config: TrainConfig) -> int:
 
 
 def check_model(config: TrainConfig, devices: int, bundle: DatasetBundle, model: nn.Module) -> None:
-    """The strategy's checks against the model (on the meta device), then the memory
-    budget against its parameters."""
+    """The model's own options (built on the meta device), the strategy's checks against
+    it, then the memory budget against its parameters."""
+    check_model_options(model)
     _ask_strategy(config, devices, bundle, model)
     check_memory(config, devices, model)
+
+
+def check_model_options(model: Callable[[], nn.Module]) -> None:
+    """Build the model on the meta device, so that an option its builder refuses (``--n-embd
+    66`` with 4 heads) is one sentence here rather than a traceback in every worker."""
+    try:
+        model()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _ask_strategy(
@@ -160,9 +196,7 @@ def check_dataset(config: TrainConfig) -> None:
     try:
         dataset_key(config.dataset)
     except ValueError:
-        raise ConfigError(
-            f"unknown dataset {config.dataset!r}; choose one of {', '.join(DATASETS)}."
-        ) from None
+        raise ConfigError(unknown_name("dataset", config.dataset, DATASETS)) from None
 
 
 def check_data_dir(config: TrainConfig) -> None:
@@ -185,9 +219,7 @@ def check_backend(config: TrainConfig, devices: int) -> None:
     """Refuse an unknown backend, and NCCL where this machine has too few GPUs for it
     (inside torchrun each process needs one GPU of its own)."""
     if config.backend not in BACKENDS:
-        raise ConfigError(
-            f"unknown backend {config.backend!r}; choose one of {', '.join(BACKENDS)}."
-        )
+        raise ConfigError(unknown_name("backend", config.backend, BACKENDS))
     if config.backend != "nccl":
         return
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

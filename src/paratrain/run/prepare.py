@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import nn
 
-from paratrain.checkpoints.format import Checkpoint
-from paratrain.checkpoints.locate import find_checkpoint
+from paratrain.checkpoints.format import Checkpoint, CheckpointError
+from paratrain.checkpoints.locate import find_checkpoint, intact_before
 from paratrain.config import AUTO, ConfigError, TrainConfig
 from paratrain.data import DatasetBundle
 from paratrain.models import build_model, loss_for
@@ -34,6 +34,7 @@ from paratrain.run.preflight import (
     refuse_planning_in_job,
 )
 from paratrain.run.resume import check_resumable, resume_line
+from paratrain.run.schedule_notice import schedule_change
 from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import default_device_count
 
@@ -73,7 +74,7 @@ def prepare_run(config: TrainConfig) -> PreparedRun:
     model = meta_model_once(config, bundle)  # built where a check first needs it
     check_model(config, devices, bundle, model)
     length = run_length(config, len(bundle.train))
-    resume_from, resumed = _check_resume(config, devices, model, length)
+    resume_from, resumed = _check_resume(config, devices, model, length, len(bundle.train))
     return PreparedRun(config, devices, bundle, length, resume_from, resumed, chosen)
 
 
@@ -102,7 +103,11 @@ def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any, DatasetBundle]:
 
 
 def _check_resume(
-    config: TrainConfig, devices: int, model: Callable[[], nn.Module], length: RunLength
+    config: TrainConfig,
+    devices: int,
+    model: Callable[[], nn.Module],
+    length: RunLength,
+    train_samples: int,
 ) -> tuple[Path | None, str | None]:
     """The checkpoint ``--resume`` means, verified here (every checksum) so that a damaged
     file is refused in one sentence before any worker starts or any run folder is made,
@@ -112,7 +117,13 @@ def _check_resume(
     resume_from = find_checkpoint(config.resume)
     if not resume_from:
         return resume_from, None
-    checkpoint = Checkpoint(resume_from)
+    try:
+        checkpoint = Checkpoint(resume_from)
+    except CheckpointError as error:
+        older = intact_before(Path(config.resume), resume_from)
+        if resume_from == Path(config.resume) or older is None:
+            raise
+        raise CheckpointError(f"{str(error)[:-1]}; resume from {older} instead.") from None
     check_resumable(checkpoint, config, model())
     saved_step = checkpoint.step
     if saved_step >= length.steps:
@@ -121,4 +132,8 @@ def _check_resume(
             f"{resume_from} is already at step {saved_step} of {length.steps}; "
             f"pass {more} above that to train further."
         )
-    return resume_from, resume_line(checkpoint, config, devices)
+    line = resume_line(checkpoint, config, devices)
+    change = schedule_change(
+        checkpoint.metadata.get("config"), saved_step, config, length, train_samples
+    )
+    return resume_from, line if change is None else f"{line}; {change}"

@@ -46,6 +46,8 @@ class RunResult:
     loss_scale: float = 1.0
     preempted_at: int | None = None
     """The step after which a SIGTERM stopped the run (its checkpoint is ``checkpoint``)."""
+    restarts: int = 0
+    """Relaunches after a failed worker (``--max-restarts``) the run took to finish."""
     resumed: str | None = None
     """Where a resumed run came from (``resume_line``); None for a fresh run."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +80,7 @@ def collect_result(run: PreparedRun, run_dir: Path, reports: list[Any]) -> RunRe
         skipped_steps=lead["skipped_steps"],
         loss_scale=lead["loss_scale"],
         steps=run.length.steps,
+        restarts=lead.get("restarts", 0),
         final_accuracy=lead["final_accuracy"],
         preempted_at=lead["preempted_at"],
         resumed=run.resumed,

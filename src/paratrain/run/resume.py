@@ -139,8 +139,18 @@ def inject_fault(step: int, attempt: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def checkpoint_metadata(config: TrainConfig, loader: GlobalBatchLoader) -> dict[str, Any]:
-    return {"config": as_dict(config), "data": loader.state_dict()}
+def checkpoint_metadata(
+    config: TrainConfig, loader: GlobalBatchLoader, eval_loader: GlobalBatchLoader
+) -> dict[str, Any]:
+    """What a checkpoint carries besides the engine's state: the config and where both
+    loaders stand. The evaluation loader cycles through the test split a few batches at a
+    time, so its position decides which batches the next evaluation sees: a resume
+    without it would evaluate other batches than the uninterrupted run."""
+    return {
+        "config": as_dict(config),
+        "data": loader.state_dict(),
+        "eval_data": eval_loader.state_dict(),
+    }
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -90,7 +90,7 @@ def train_worker(
             preempted_at = step
             break
     notice.close()
-    return finish(run, preempted_at)
+    return finish(run, preempted_at, restarts=attempt)
 
 
 def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerRun:
@@ -119,6 +119,11 @@ def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerR
         checkpoint = engine.load_checkpoint(resume_from)
         if "data" in checkpoint.metadata:  # an imported checkpoint starts the data afresh
             train_loader.load_state_dict(checkpoint.metadata["data"])
+        saved_eval = checkpoint.metadata.get("eval_data")
+        # The eval loader's place: another --eval-batches (another tail) evaluates other
+        # batches anyway, so there the loader starts afresh, as the user asked for.
+        if saved_eval and saved_eval.get("tail") == eval_loader.tail:
+            eval_loader.load_state_dict(saved_eval)
         first = engine.steps_taken + 1
     metrics = None
     if lead:
@@ -167,7 +172,7 @@ def take_step(run: WorkerRun, step: int, inputs: Any, targets: Any) -> None:
     if periodic and step < run.length.steps:
         engine.save_checkpoint(
             Path(run.run_dir) / "checkpoints" / f"step-{step:08d}",
-            metadata=checkpoint_metadata(config, run.train_loader),
+            metadata=checkpoint_metadata(config, run.train_loader, run.eval_loader),
         )
         if run.lead:
             prune(Path(run.run_dir), config.keep_checkpoints)
@@ -224,10 +229,11 @@ def log_step(run: WorkerRun, step: int) -> None:
         run.bar.update(1)
 
 
-def finish(run: WorkerRun, preempted_at: int | None) -> dict[str, Any]:
+def finish(run: WorkerRun, preempted_at: int | None, restarts: int = 0) -> dict[str, Any]:
     """Close what the loop opened, save the final checkpoint (or, stopped by SIGTERM, one
     where ``--resume`` finds it as the newest), write the memory records and the summary,
-    and return this worker's report."""
+    and return this worker's report (``restarts``: relaunches after a failed worker that
+    this run took to finish, said in its summary)."""
     engine, run_dir = run.engine, run.run_dir
     run.train_tally.close()
     if run.bar is not None:
@@ -239,10 +245,12 @@ def finish(run: WorkerRun, preempted_at: int | None) -> dict[str, Any]:
         checkpoint = Path(run_dir) / "final"
     else:  # where a periodic checkpoint goes, so --resume finds it as the newest
         checkpoint = Path(run_dir) / "checkpoints" / f"step-{preempted_at:08d}"
-    engine.save_checkpoint(checkpoint, metadata=checkpoint_metadata(run.config, run.train_loader))
+    engine.save_checkpoint(
+        checkpoint, metadata=checkpoint_metadata(run.config, run.train_loader, run.eval_loader)
+    )
     write_memory(engine, run.metrics)
     total = time.perf_counter() - run.timed_from
-    report = _report(run, checkpoint, preempted_at, total)
+    report = {**_report(run, checkpoint, preempted_at, total), "restarts": restarts}
     if run.metrics:
         if not engine.independent_workers:  # else the parent writes the run's summary
             skip = ("rank", "memory")  # memory has its own records, one per worker
