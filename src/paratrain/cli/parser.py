@@ -12,6 +12,7 @@ from dataclasses import MISSING, Field, fields
 
 from paratrain import __version__
 from paratrain.config import TrainConfig, field_types
+from paratrain.run.resume_config import MODEL_FIELDS
 
 PLAN_FIELDS = (
     "model",
@@ -23,13 +24,7 @@ PLAN_FIELDS = (
     "optimizer",
     "momentum",
     "max_grad_norm",
-    "block_size",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "tie_embeddings",
-    "hidden",
-    "depth",
+    *MODEL_FIELDS[2:],  # the model's own sizes (after "model" and "dataset", named above)
     "precision",
     "memory_per_device",
     "data_dir",
