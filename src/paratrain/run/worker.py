@@ -245,9 +245,11 @@ def finish(run: WorkerRun, preempted_at: int | None, restarts: int = 0) -> dict[
         checkpoint = Path(run_dir) / "final"
     else:  # where a periodic checkpoint goes, so --resume finds it as the newest
         checkpoint = Path(run_dir) / "checkpoints" / f"step-{preempted_at:08d}"
-    engine.save_checkpoint(
+    checkpoint = engine.save_checkpoint(
         checkpoint, metadata=checkpoint_metadata(run.config, run.train_loader, run.eval_loader)
     )
+    if preempted_at is not None:  # ps: the folder another worker wrote, at its own step
+        preempted_at = int(checkpoint.name.removeprefix("step-"))
     write_memory(engine, run.metrics)
     total = time.perf_counter() - run.timed_from
     report = {**_report(run, checkpoint, preempted_at, total), "restarts": restarts}

@@ -71,9 +71,10 @@ class ServerCheckpoints:
     def _save(self, directory: Path, metadata: dict) -> Path:
         """Publish a checkpoint of the servers' current state, if this worker is first."""
         self.wait_for_bound()  # with staleness=0: every live worker's pushes up to this step
-        first, _ = self.claim("save")
+        first, key = self.claim("save")
         if not first:
-            return directory
+            return self._claimed_directory(key, directory)
+        self.store.set(f"{key}/directory", str(directory))
         staging = prepare_staging(directory)
         replies = self.link.send_json(Op.SAVE, [{"staging": str(staging)}] * self.servers)
         files: dict[str, dict] = {}
@@ -101,6 +102,18 @@ class ServerCheckpoints:
                 **alias_entry(self.tied_names()),
             },
         )
+
+    def _claimed_directory(self, key: str, own: Path) -> Path:
+        """The folder the claimant of save ``key`` writes. Workers stopped by SIGTERM reach
+        their preemption save at different steps, so each names a different folder, and only
+        the claimant's will exist; reporting one's own sent the user to a folder that was
+        never written. The claimant posts its folder right after the claim; if it died in
+        between, the wait is bounded and this worker's own name is returned."""
+        try:
+            self.store.wait([f"{key}/directory"], timedelta(seconds=min(self.timeout_s, 30)))
+        except Exception:  # the claimant is gone: nothing is written either way
+            return own
+        return Path(self.store.get(f"{key}/directory").decode())
 
     def _load(self, directory: Path) -> Checkpoint:
         """Load ``directory`` into the servers (once) and this worker's buffers and RNG."""
