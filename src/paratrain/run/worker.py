@@ -33,6 +33,7 @@ from paratrain.run.lr_schedule import lr_factor, set_learning_rate
 from paratrain.run.metrics import ClassificationSums, TokenSums, metric_for
 from paratrain.run.resume import checkpoint_metadata, inject_fault, prune
 from paratrain.runtime import comm
+from paratrain.runtime.device_oom import device_errors_told
 from paratrain.runtime.devices import peak_memory_bytes
 from paratrain.runtime.signals import TerminationNotice
 
@@ -167,7 +168,8 @@ def take_step(run: WorkerRun, step: int, inputs: Any, targets: Any) -> None:
             warmup_steps=config.warmup_steps,
         )
         set_learning_rate(engine.optimizer, config.lr * factor)
-    run.stats = engine.train_step(inputs, targets)
+    with device_errors_told(engine.memory.ledger):
+        run.stats = engine.train_step(inputs, targets)
     periodic = config.checkpoint_every and step % config.checkpoint_every == 0
     if periodic and step < run.length.steps:
         engine.save_checkpoint(

@@ -121,7 +121,7 @@ class MemoryLedger:
         breakdown = ", ".join(
             f"{LABELS[c]} {format_bytes(self.current[c])}" for c in CATEGORIES if self.current[c]
         )
-        advice = self._advice(self, category) if self._advice else ""
+        advice = self.advice(category)
         shown_total, shown_budget = format_bytes(total), format_bytes(self.budget)
         if shown_total == shown_budget:  # rounded alike: show the bytes that differ
             shown_total, shown_budget = f"{total:,} B", f"{self.budget:,} B"
@@ -134,6 +134,11 @@ class MemoryLedger:
         return DeviceOutOfMemory(
             message, worker=self.worker, category=category, total=total, budget=self.budget
         )
+
+    def advice(self, category: str) -> str:
+        """The closing clause of an out-of-memory sentence whose culprit is ``category``
+        (which strategy would fit), or "" where the engine gave no adviser."""
+        return self._advice(self, category) if self._advice else ""
 
     def record(self) -> dict[str, Any]:
         """The ledger as plain values (for metrics.jsonl and the run summary).
