@@ -343,37 +343,14 @@ def _try(name: str, call) -> str:
 
 
 def gloo_worker(megabytes: int) -> dict:
+    """Staging through host memory is timed first; then each collective on CUDA tensors is
+    tried in turn, a barrier after each, and the first failure ends the tries (a gloo pair
+    that was handed a device pointer is broken for every later call: "writev ... Bad
+    address" on an H200, torch 2.11)."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    small = torch.ones(1024, device=device) * (rank + 1)
-    out = torch.empty(1024 * world, device=device)
-    support = {
-        "all_reduce": _try("all_reduce", lambda: dist.all_reduce(small.clone())),
-        "broadcast": _try("broadcast", lambda: dist.broadcast(small.clone(), src=0)),
-        "all_gather": _try(
-            "all_gather", lambda: dist.all_gather(list(out.chunk(world)), small.clone())
-        ),
-        "all_gather_into_tensor": _try(
-            "all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, small.clone())
-        ),
-        "reduce_scatter_tensor": _try(
-            "reduce_scatter_tensor",
-            lambda: dist.reduce_scatter_tensor(small[: 1024 // world].clone(), small.clone()),
-        ),
-    }
-
-    def send_receive() -> None:
-        if rank == 0:
-            dist.send(small.clone(), dst=1)
-        else:
-            dist.recv(small.clone(), src=0)
-
-    support["send_recv"] = _try("send_recv", send_receive)
-    dist.barrier()
     payload = torch.randn(megabytes * 2**18, device=device)  # 4-byte floats
     timings = {}
-    if support["all_reduce"] == "ok":
-        timings["gloo_on_device_s"] = _median_time(lambda: dist.all_reduce(payload), device)
 
     def staged() -> None:
         host = payload.to("cpu")
@@ -390,6 +367,32 @@ def gloo_worker(megabytes: int) -> dict:
         payload.copy_(pinned, non_blocking=True)
 
     timings["staged_pinned_s"] = _median_time(staged_pinned, device)
+    small = torch.ones(1024, device=device) * (rank + 1)
+    out = torch.empty(1024 * world, device=device)
+
+    def send_receive() -> None:
+        if rank == 0:
+            dist.send(small.clone(), dst=1)
+        else:
+            dist.recv(small.clone(), src=0)
+
+    tries = {
+        "all_reduce": lambda: dist.all_reduce(small.clone()),
+        "broadcast": lambda: dist.broadcast(small.clone(), src=0),
+        "all_gather": lambda: dist.all_gather(list(out.chunk(world)), small.clone()),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, small.clone()),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            small[: 1024 // world].clone(), small.clone()
+        ),
+        "send_recv": send_receive,
+    }
+    support = {}
+    for name, call in tries.items():
+        support[name] = _try(name, lambda call=call: (call(), synchronize(device), dist.barrier()))
+        if support[name] != "ok":
+            break
+    if all(outcome == "ok" for outcome in support.values()) and len(support) == len(tries):
+        timings["gloo_on_device_s"] = _median_time(lambda: dist.all_reduce(payload), device)
     return {"support": support, "timings": timings, "device": str(device)}
 
 

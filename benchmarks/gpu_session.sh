@@ -7,7 +7,7 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 PARATRAIN_DATA=$PWD/.gpu/data
 if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/; fi
 { nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; nproc; } >"$OUT/machine.txt" 2>&1
 

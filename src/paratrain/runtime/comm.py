@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from paratrain.runtime.devices import on_cuda
 from paratrain.runtime.hang import collective
 
 _bytes_by_op: Counter[str] = Counter()
@@ -170,7 +171,7 @@ def second_group(group: ProcessGroup | None = None) -> ProcessGroup:
     key = (id(dist.group.WORLD), ranks)  # a new job (init after destroy) gets new groups
     if key in _second_groups:
         return _second_groups[key]
-    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    device = torch.device("cuda" if on_cuda(group) else "cpu")
     try:
         timeout = group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # not exposed: torch's default

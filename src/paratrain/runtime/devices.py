@@ -9,9 +9,23 @@ import torch
 import torch.distributed as dist
 
 
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for a resolved backend. NCCL moves CUDA tensors
+    only, and the engines also exchange small CPU tensors (random-number seeds, step
+    counters, objects): a group of NCCL alone refuses those ("No backend type associated
+    with device type cpu", seen on an H200 with torch 2.11), so CUDA jobs pair it with gloo
+    for CPU tensors, as torch documents for mixed-device groups."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def on_cuda(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (the whole job by default) moves CUDA tensors over NCCL."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def current_device() -> torch.device:
     """The worker's own GPU under NCCL, the CPU otherwise (gloo workers stand in for devices)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and on_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from paratrain.runtime.devices import process_group_backend
+
 CHILD_FLAG = "PARATRAIN_LAUNCHED_WORKER"
 
 T = TypeVar("T")
@@ -110,7 +112,7 @@ def join_job(backend: str, timeout_s: float, resolve_backend: Callable[[str, int
     resolved = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if resolved == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(resolved, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(process_group_backend(resolved), timeout=timedelta(seconds=timeout_s))
     _joined_here = True
     return True
 

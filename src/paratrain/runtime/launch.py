@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.runtime.devices import process_group_backend
 from paratrain.runtime.external_job import (
     CHILD_FLAG,
     check_job_devices,
@@ -296,7 +297,11 @@ def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) 
             spec.host, spec.store_port, spec.world_size, is_master=False, timeout=timeout
         )
         dist.init_process_group(
-            spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout
+            process_group_backend(spec.backend),
+            store=store,
+            rank=rank,
+            world_size=spec.world_size,
+            timeout=timeout,
         )
         value = fn(*args, **kwargs)
         buffer = io.BytesIO()

@@ -36,7 +36,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -52,6 +51,7 @@ from paratrain.parallel.strategy import (
     optimizer_from_factory,
     require_process_group,
 )
+from paratrain.runtime.devices import on_cuda
 
 
 class DataParallelEngine(ReplicaShare, Engine):
@@ -92,7 +92,7 @@ class DataParallelEngine(ReplicaShare, Engine):
         super().__init__(model, layout=layout, **shared)
         require_process_group(self.name)
         if first_bucket_mb is None:
-            first_bucket_mb = 1.0 if dist.get_backend(group) == "nccl" else bucket_mb
+            first_bucket_mb = 1.0 if on_cuda(group) else bucket_mb
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(
                 f"bucket_mb and first_bucket_mb must be positive, not {bucket_mb} and "
