@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import paratrain
 from paratrain.models import build_model, loss_for
+from paratrain.runtime.devices import current_device
 
 DENSE_BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 """Dense (no sparsity) bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (the SXM
@@ -280,9 +281,8 @@ def memory_worker(options: dict, batch: int, precision: str, recompute: bool) ->
 
 
 def paratrain_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device paratrain's engine computes on in this worker (the GPU under NCCL)."""
+    return current_device()
 
 
 def part_memory(smoke: bool) -> list[dict]:

@@ -80,6 +80,7 @@ def gpu_ledger_worker() -> dict[str, Any]:
     torch.cuda.synchronize(engine.device)
     record = engine.memory.ledger.record()
     record["device_bytes"] = torch.cuda.get_device_properties(engine.device).total_memory
+    record["parameters"] = sum(p.numel() for p in engine.model.parameters())
     return record
 
 

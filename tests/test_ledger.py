@@ -229,7 +229,11 @@ def test_ledger_agrees_with_the_cuda_allocator():
         assert peak <= allocator_peak + CUDA_SLACK, (peak, allocator_peak)
         assert allocator_peak <= 1.5 * peak + CUDA_SLACK, (peak, allocator_peak)
         assert record["budget"] == record["device_bytes"]  # no budget given: the device's size
-        assert record["current"]["optimizer"] > 300 * MiB  # 21M parameters x 8 B of Adam state
+        # Adam's two fp32 moments per parameter (21M parameters: 168 MB); the step count is
+        # a scalar per tensor. This once said "> 300 MiB", a figure no run could reach,
+        # and failed the first time it ran on a GPU (an H200: 168,165,480 B).
+        assert record["current"]["optimizer"] >= 8 * record["parameters"]
+        assert record["current"]["optimizer"] <= 8 * record["parameters"] + 64 * 1024
 
 
 def test_a_strategy_without_a_ledger_refuses_a_budget_rather_than_ignore_it(monkeypatch):
