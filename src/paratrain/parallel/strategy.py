@@ -377,6 +377,13 @@ def require_process_group(strategy: str) -> None:
             f"strategy {strategy!r} needs worker processes: call paratrain.setup inside a "
             "function run by paratrain.launch(...) or under torchrun, or use strategy='single'."
         )
+    if str(dist.get_backend()) == "nccl":
+        raise RuntimeError(
+            f"strategy {strategy!r} also exchanges small CPU tensors (seeds, counters), which a "
+            "process group of NCCL alone refuses: make it with "
+            "dist.init_process_group('cpu:gloo,cuda:nccl'), or let paratrain.launch or "
+            "paratrain train make it."
+        )
 
 
 def engine_options(cls: type[Engine]) -> list[str]:
