@@ -49,7 +49,7 @@ train: install
 		--steps $(STEPS) --global-batch 32 --eval-every 200 $(DEVICES_FLAG) $(DATA_FLAG)
 
 test: install
-	$(RUN_PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(RUN_PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The quick tier (tests marked fast, listed in tests/conftest.py): the pure-logic tests and
 # one parity case per engine, a few minutes on 2 cores; `make test` stays the whole suite.
