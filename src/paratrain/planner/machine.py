@@ -15,20 +15,27 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from paratrain.parallel.cost_model import Line, MachineCosts, divisors
-from paratrain.planner.measure import median_seconds
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
-REPEATS = 5
-FORMAT = 2
+REPEATS = 7
+FORMAT = 3
+"""3: collectives timed after each member's work, as a step calls them (2: back to back)."""
+WORK_MATMULS = 32
+"""Products of two 128 x 128 matrices each member computes before every timed collective
+(about a millisecond on one thread): see ``after_work``."""
 
 
 def cores() -> int:
@@ -45,10 +52,56 @@ def _slowest(seconds: float) -> float:
     return float(out[0])
 
 
+def after_work(
+    run: Callable[[], Any],
+    work: Callable[[], Any],
+    *,
+    member: bool,
+    line_up: Callable[[], Any] = dist.barrier,
+) -> float:
+    """The median seconds of ``run()`` (a collective) as a training step meets it: each
+    member first does its share of compute (``work``), then calls it.
+
+    Timed back to back, a collective finds every member already waiting in it: gloo's
+    all-reduce of 4 KiB took 0.19 ms on 2 cores. After work, the members arrive when
+    their compute ends and the one waiting must be woken: the same collective took about
+    1 ms on the same (busy) machine, and that is what each of a split layer's all-reduces
+    costs a step (timed back to back, the planner chose tensor parallelism for an mlp on
+    2 workers, predicting 2.4 ms per step, measured 10.2 ms, against 7.6 ms measured for
+    data parallelism: issue 24). Every worker of the job calls it (``member``: whether
+    this one takes part); ``line_up`` (a barrier) starts each repetition together."""
+    seconds = []
+    for _ in range(1 + REPEATS):  # the first untimed: one-off costs
+        line_up()
+        if not member:
+            continue
+        work()
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:]) if seconds else 0.0
+
+
+def member_work(device: torch.device) -> Callable[[], None]:
+    """About a millisecond of compute on one thread (``WORK_MATMULS`` products), ended
+    before it returns (a GPU's queue too)."""
+    matrix = torch.randn(128, 128, device=device) / 128
+
+    def work() -> None:
+        result = matrix
+        for _ in range(WORK_MATMULS):
+            result = torch.tanh(result @ matrix)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return work
+
+
 def measure_collectives() -> MachineCosts:
     """Every worker of the job calls it; every worker gets the same figures."""
     world, rank = comm.world_size(), comm.rank()
     device = current_device()
+    work = member_work(device)
     kinds: dict[str, dict[int, Line]] = {"all_reduce": {}, "reduce_scatter": {}, "all_gather": {}}
     for size in (g for g in divisors(world) if g >= 2):
         group = None if size == world else dist.new_group(list(range(size)))
@@ -56,8 +109,7 @@ def measure_collectives() -> MachineCosts:
             points = []
             for nbytes in SIZES:
                 run = _collective(kind, nbytes, size, group, device)
-                seconds = median_seconds(run, REPEATS) if rank < size else 0.0
-                points.append((nbytes, _slowest(seconds)))
+                points.append((nbytes, _slowest(after_work(run, work, member=rank < size))))
             lines[size] = Line.through(points[0], points[1])
     send_points = []
     for nbytes in SIZES:
@@ -69,7 +121,7 @@ def measure_collectives() -> MachineCosts:
             elif rank == 1:
                 dist.recv(payload, src=0)
 
-        send_points.append((nbytes, _slowest(median_seconds(exchange, REPEATS))))
+        send_points.append((nbytes, _slowest(after_work(exchange, work, member=rank < 2))))
     dist.barrier()
     return MachineCosts(
         cores=cores(),
@@ -123,9 +175,13 @@ def from_json(data: dict) -> MachineCosts:
     )
 
 
+def cache_root() -> Path:
+    """Where the planner keeps what it measured (``PARATRAIN_CACHE`` moves it)."""
+    return Path(os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain"
-    return Path(root) / "machine"
+    return cache_root() / "machine"
 
 
 def cache_key(devices: int, backend: str) -> str:
@@ -159,16 +215,26 @@ def machine_costs(devices: int, *, refresh: bool = False) -> MachineCosts:
 
         data = launch(_measure_worker, devices=devices)[0]
     if not comm.distributed() or comm.rank() == 0:
-        _write(path, data)
+        write_json(path, data)
     return from_json(data)
 
 
-def _read(path: Path) -> dict | None:
-    """A cached measurement (JSON, never a pickle), or None where absent or unreadable."""
+def read_json(path: Path) -> dict | None:
+    """A file this program wrote (JSON, never a pickle), or None where absent or unreadable."""
     try:
         data = json.loads(path.read_text())
-        from_json(data)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read(path: Path) -> dict | None:
+    """A cached measurement of the collectives, or None where absent, unreadable or of
+    another format."""
+    data = read_json(path)
+    try:
+        from_json(data or {})
+    except (ValueError, KeyError, TypeError):
         return None
     return data if data.get("format") == FORMAT else None
 
@@ -177,7 +243,7 @@ def _launch_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _write(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     """Written whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")

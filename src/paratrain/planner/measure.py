@@ -340,13 +340,45 @@ def _measure_point(
     trace.run(micro[0], micro[1], loss_fn, autocast())
     messages = sum(mappings.CALLS.values()) - calls_before
     payload = sum(mappings.BYTES.values()) - bytes_before
-    times = [
-        _layer_times(layer, trace.inputs[i], autocast, repeats)
-        if trace.inputs[i] is not None
-        else (0.0, 0.0)
-        for i, layer in enumerate(layers)
-    ]
+    timed: dict[tuple, tuple[float, float]] = {}  # each distinct block timed once
+    times = []
+    for i, layer in enumerate(layers):
+        if trace.inputs[i] is None:
+            times.append((0.0, 0.0))
+            continue
+        key = block_signature(layer, trace.inputs[i])
+        if key not in timed:
+            timed[key] = _layer_times(layer, trace.inputs[i], autocast, repeats)
+        times.append(timed[key])
     return {"trace": trace, "times": times, "messages": messages, "bytes": payload}
+
+
+def block_signature(layer: nn.Module, recorded: tuple[tuple, dict]) -> tuple:
+    """What a layer's time depends on: its class and ``repr`` (its sizes), its parameters'
+    and buffers' shapes, dtypes and whether they train, and its input's shapes, dtypes and
+    other arguments. Layers that share it (a transformer's blocks) take the same time, so
+    one of them is timed for all: a gpt of n blocks costs one block's timing, not n."""
+
+    def described(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad)
+        if isinstance(value, (tuple, list)):
+            return tuple(described(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, described(v)) for k, v in sorted(value.items()))
+        return repr(value)
+
+    args, kwargs = recorded
+    return (
+        type(layer),
+        repr(layer),
+        tuple(
+            (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in layer.named_parameters()
+        ),
+        tuple((n, tuple(b.shape), str(b.dtype)) for n, b in layer.named_buffers()),
+        described(args),
+        described(kwargs),
+    )
 
 
 def _layer_costs(
