@@ -575,6 +575,9 @@ def test_collectives_are_timed_after_each_members_work_as_a_step_meets_them():
 
     after_work(note("collective"), note("work"), member=True, line_up=note("line up"))
     assert events == ["line up", "work", "collective"] * (1 + REPEATS)
+    events.clear()  # a point-to-point message: the receive posted before the work
+    after_work(note("wait"), note("work"), member=True, line_up=note("line up"), post=note("post"))
+    assert events == ["line up", "post", "work", "wait"] * (1 + REPEATS)
     events.clear()
     assert after_work(note("collective"), note("work"), member=False, line_up=note("line up")) == 0
     assert events == ["line up"] * (1 + REPEATS)

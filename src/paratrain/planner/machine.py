@@ -2,12 +2,14 @@
 
 The planner's step times add communication to compute, so it needs the latency and the
 bandwidth of the backend the workers use (gloo over loopback on CPU, NCCL on GPUs), for
-each group size a plan forms. ``measure_collectives`` times all-reduces of a small and a
-large payload on groups of each size, and point-to-point messages between two workers,
-inside a job (every worker calls it); ``machine_costs`` starts the workers for that
-when it is called outside one, and keeps the result in a JSON file per machine, backend
-and worker count (``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves it), so later
-plans take no measurement at all.
+each group size a plan forms. ``measure_collectives`` times all-reduces,
+reduce-scatters and all-gathers of a small and a large payload on groups of each size,
+and point-to-point messages between two workers, inside a job (every worker calls it),
+each after every member's share of compute, as a training step meets it
+(``after_work``); ``machine_costs`` starts the workers for that when it is called outside
+one, and keeps the result in a JSON file per machine, backend and worker count
+(``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves it), so later plans take no
+measurement at all (``refresh=True`` measures again).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def after_work(
     *,
     member: bool,
     line_up: Callable[[], Any] = dist.barrier,
+    post: Callable[[], Any] | None = None,
 ) -> float:
     """The median seconds of ``run()`` (a collective) as a training step meets it: each
     member first does its share of compute (``work``), then calls it.
@@ -69,12 +72,15 @@ def after_work(
     costs a step (timed back to back, the planner chose tensor parallelism for an mlp on
     2 workers, predicting 2.4 ms per step, measured 10.2 ms, against 7.6 ms measured for
     data parallelism: issue 24). Every worker of the job calls it (``member``: whether
-    this one takes part); ``line_up`` (a barrier) starts each repetition together."""
+    this one takes part); ``line_up`` (a barrier) starts each repetition together;
+    ``post`` runs before the work (a receive posted ahead)."""
     seconds = []
     for _ in range(1 + REPEATS):  # the first untimed: one-off costs
         line_up()
         if not member:
             continue
+        if post is not None:
+            post()
         work()
         start = time.perf_counter()
         run()
@@ -113,15 +119,9 @@ def measure_collectives() -> MachineCosts:
             lines[size] = Line.through(points[0], points[1])
     send_points = []
     for nbytes in SIZES:
-        payload = torch.zeros(nbytes // 4, device=device)
-
-        def exchange(payload: torch.Tensor = payload) -> None:
-            if rank == 0:
-                dist.send(payload, dst=1)
-            elif rank == 1:
-                dist.recv(payload, src=0)
-
-        send_points.append((nbytes, _slowest(after_work(exchange, work, member=rank < 2))))
+        link = _Link(torch.zeros(nbytes // 4, device=device), rank)
+        seconds = after_work(link.wait, work, member=rank < 2, post=link.post)
+        send_points.append((nbytes, _slowest(seconds)))
     dist.barrier()
     return MachineCosts(
         cores=cores(),
@@ -131,6 +131,28 @@ def measure_collectives() -> MachineCosts:
         reduce_scatter=kinds["reduce_scatter"],
         all_gather=kinds["all_gather"],
     )
+
+
+class _Link:
+    """A message from worker 0 to worker 1 as the pipeline sends one: the receive posted
+    ahead (``post``, before the work), the send started when the work ends, both waited
+    for (``wait``). Blocking ``send``/``recv`` pairs took 2.4 ms each on 2 cores under
+    gloo, against 0.1 ms with the receive posted ahead, which is how the pipeline's
+    stages exchange activations and gradients (``pipeline/p2p.py``)."""
+
+    def __init__(self, payload: torch.Tensor, rank: int) -> None:
+        self.payload, self.rank = payload, rank
+        self.received: Any = None
+
+    def post(self) -> None:
+        if self.rank == 1:
+            self.received = dist.irecv(self.payload, src=0)
+
+    def wait(self) -> None:
+        if self.rank == 0:
+            dist.isend(self.payload, dst=1).wait()
+        elif self.rank == 1:
+            self.received.wait()
 
 
 def _collective(kind: str, nbytes: int, size: int, group, device: torch.device):

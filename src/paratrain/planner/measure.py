@@ -15,7 +15,9 @@ it; per layer of the layer list (the whole model where it is none) this records:
 - the seconds of its forward and of its forward and backward, each the median of a few
   timed runs of that layer alone on its recorded input, scaled so that the layers add up
   to the measured forward and backward of the whole model with its loss (a layer timed
-  alone pays the call overheads that one backward through the whole graph shares).
+  alone pays the call overheads that one backward through the whole graph shares);
+  layers of one signature (class, sizes, parameter and input shapes: a transformer's
+  blocks) are timed once for all (``block_signature``).
 
 Times are taken with the intra-op threads a worker gets (``threads``; the launcher gives
 each of N workers ``cores // N``), so they are a worker's.
