@@ -601,3 +601,47 @@ def test_plan_refresh_flag_reaches_the_planner(monkeypatch):
         with pytest.raises(Stop):
             main(["plan", "--model", "mlp", "--dataset", "synthetic", *flags])
         assert asked.pop() == {"refresh": refresh}
+
+
+def test_the_key_is_the_same_in_another_process():
+    """The key names a file another process must find: nothing in it may depend on the
+    order of a set or an object's address (two classes called Embedding once swapped
+    places between runs, and every plan measured again)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from paratrain.planner import cost_cache
+
+    script = (
+        "import json; from tests import planner_workers as pw; "
+        "from paratrain.planner import cost_cache as c; "
+        "print(json.dumps([c.model_fingerprint(pw.model('gpt')), c.fingerprint_of(pw.loss('gpt')),"
+        " c.optimizer_fingerprint(pw.adam)], default=str))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    here = [
+        cost_cache.model_fingerprint(pw.model("gpt")),
+        cost_cache.fingerprint_of(pw.loss("gpt")),
+        cost_cache.optimizer_fingerprint(pw.adam),
+    ]
+    assert json.loads(out) == json.loads(json.dumps(here, default=str))
+
+
+def test_a_split_the_model_refuses_is_kept_and_refused_again_from_the_file():
+    from paratrain.planner import cost_cache
+
+    calls = []
+
+    def refuse():
+        calls.append(1)
+        raise ValueError("tensor=8 does not divide 4 heads.")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not divide 4 heads"):
+            cost_cache.cached("model", ["a model", 8], False, refuse, dict, dict)
+    assert len(calls) == 1

@@ -74,7 +74,9 @@ def _closure(function: Any) -> list[str]:
 
 def model_fingerprint(model: nn.Module) -> list[Any]:
     """What a measurement of ``model`` depends on, its weights' values aside."""
-    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
+    classes = sorted(
+        {type(m) for m in model.modules()}, key=lambda c: (c.__module__, c.__qualname__)
+    )
     return [
         repr(model),
         [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
@@ -101,17 +103,24 @@ def _path(kind: str, key: Any) -> Path:
 
 def cached(kind: str, key: Any, refresh: bool, compute: Callable[[], Any], to_json, from_json):
     """``compute()``'s figures, from the file ``key`` names unless ``refresh`` (then
-    measured and written)."""
+    measured and written). A ``ValueError`` it raises (a split the model cannot take) is
+    kept too, and raised again from the file."""
     full_key = [FORMAT, measure.REPEATS, measure.SIZE_BUDGET_S, kind, key]
     path = _path(kind, full_key)
     if not refresh:
         data = read_json(path)
         if data is not None and data.get("key") == json.loads(json.dumps(full_key, default=str)):
+            if "refused" in data:
+                raise ValueError(data["refused"])
             try:
                 return from_json(data["value"])
             except (KeyError, TypeError, ValueError):
                 pass  # a file of another shape: measured again below
-    value = compute()
+    try:
+        value = compute()
+    except ValueError as error:
+        write_json(path, {"key": full_key, "refused": str(error)})
+        raise
     write_json(path, {"key": full_key, "value": to_json(value)})
     return value
 
