@@ -9,10 +9,15 @@ Choice: for each scenario (a model that fits each worker, one that fits only sha
 that fits only split, under ``memory_per_device``), every candidate the planner predicts
 to fit is run for a few steps; reported are the chosen plan's measured step time against
 the fastest measured candidate's, whether any candidate predicted to fit ran out of
-memory, and the Spearman rank correlation of predicted and measured step times.
+memory, the Spearman rank correlation of predicted and measured step times, and the
+chosen plan's predicted step time over its measured one. Where a scenario's workers
+outnumber the cores (4 workers on this 2-core machine) they time-share them: the table
+says so ("contended") beside the figures, and the load average of the machine (other
+processes on it) at the start and end of each scenario.
 
     python benchmarks/bench_planner.py                 # both parts
     python benchmarks/bench_planner.py --part memory   # or choice
+    python benchmarks/bench_planner.py --part choice --scenario 1   # one scenario
     python benchmarks/bench_planner.py --json out.json
 
 Step times are medians over the timed steps of one launch; on a loaded CPU with more
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,6 +42,7 @@ import paratrain
 from paratrain.models import build_model, loss_for
 from paratrain.planner.api import predict
 from paratrain.planner.choose import NoPlanFits
+from paratrain.planner.machine import cores
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.units import format_bytes
 
@@ -236,72 +243,128 @@ SCENARIOS = [
 ]
 
 
-def choice_part(steps: int) -> list[dict]:
+def contention(devices: int) -> str:
+    """Where the workers outnumber this machine's cores they time-share them: say so
+    beside the figures rather than fit the model to them."""
+    available = cores()
+    if devices > available:
+        return f"contended: {devices} workers on {available} cores"
+    return f"{devices} workers on {available} cores"
+
+
+def load() -> str:
+    """The machine's load average over the last minute (other processes share the cores)."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
+
+
+def choice_part(steps: int, only: list[int] | None = None) -> list[dict]:
     rows = []
-    for label, name, overrides, devices, global_batch, budget in SCENARIOS:
-        print(f"\n## {label}: {name} {overrides}, {devices} workers x {budget}", flush=True)
-        try:
-            plan = paratrain.plan(
-                build(name, overrides),
-                devices=devices,
-                global_batch=global_batch,
-                memory_per_device=budget,
-                optimizer=adam,
-                loss_fn=loss(name),
-                sample=batch(name, global_batch, overrides),
-                gradient_accumulation=1,
-            )
-        except NoPlanFits as error:
-            print(f"no plan fits: {error}")
+    for index, (label, name, overrides, devices, global_batch, budget) in enumerate(SCENARIOS):
+        if only and index + 1 not in only:
             continue
-        print(plan.summary())
-        fitting = [
-            c for c in plan.candidates if c.verdict == "chosen" or c.verdict.startswith("fits")
-        ]
-        results = []
-        for candidate in fitting:
-            measured = measure(
-                name,
-                overrides,
-                candidate.strategy,
-                candidate.setup_options,
-                devices,
-                global_batch,
-                steps,
-                budget,
-            )
-            results.append((candidate, measured))
-            status = (
-                "OUT OF MEMORY"
-                if measured is None
-                else (f"{measured['step_s']:.3f} s, peak {format_bytes(measured['peak'])}")
-            )
-            print(
-                f"  {candidate.strategy:<9} {candidate.mesh(devices):<6} "
-                f"{candidate.describe_options():<40} predicted {candidate.prediction.step_s:.3f} s "
-                f"{format_bytes(candidate.peak):>10}; measured {status}",
-                flush=True,
-            )
-        ran = [(c, m) for c, m in results if m is not None]
-        oom = [c for c, m in results if m is None]
-        chosen = next(m for c, m in results if c.verdict == "chosen")
-        fastest = min(m["step_s"] for _, m in ran)
-        rho = spearman([c.prediction.step_s for c, _ in ran], [m["step_s"] for _, m in ran])
-        row = {
-            "scenario": label,
-            "candidates_run": len(results),
-            "out_of_memory": len(oom),
-            "chosen": plan.strategy,
-            "chosen_options": plan.options,
-            "chosen_over_fastest": chosen["step_s"] / fastest if chosen else None,
-            "spearman": rho,
-        }
-        rows.append(row)
         print(
-            f"chosen {plan.strategy}: {row['chosen_over_fastest']:.2f}x the fastest measured; "
-            f"{len(oom)} of {len(results)} predicted to fit ran out of memory; Spearman {rho:.2f}"
+            f"\n## {label}: {name} {overrides}, {devices} workers x {budget} "
+            f"({contention(devices)}; load {load()} at the start)",
+            flush=True,
+        )
+        row = choose_and_run(label, name, overrides, devices, global_batch, budget, steps)
+        if row is not None:
+            row["machine"] = f"{contention(devices)}; load {row['load_start']} to {load()}"
+            rows.append(row)
+    print(
+        "\n| scenario | machine | candidates run | Spearman | chosen | chosen / fastest "
+        "measured | chosen predicted / measured | out of memory |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['scenario']} | {row['machine']} | {row['candidates_run']} | "
+            f"{row['spearman']:.2f} | {row['chosen']} {row['chosen_described']} | "
+            f"{row['chosen_over_fastest']:.2f}x | {row['chosen_predicted_over_measured']:.2f} | "
+            f"{row['out_of_memory']} |"
         )
     return rows
+
+
+def choose_and_run(label, name, overrides, devices, global_batch, budget, steps) -> dict | None:
+    """The plan for one scenario, every candidate predicted to fit run for ``steps``
+    steps, and the figures: Spearman of predicted against measured step times,
+    the chosen plan's measured step over the fastest measured, and its prediction over
+    its measurement."""
+    started = load()
+    try:
+        plan = paratrain.plan(
+            build(name, overrides),
+            devices=devices,
+            global_batch=global_batch,
+            memory_per_device=budget,
+            optimizer=adam,
+            loss_fn=loss(name),
+            sample=batch(name, global_batch, overrides),
+            gradient_accumulation=1,
+        )
+    except NoPlanFits as error:
+        print(f"no plan fits: {error}")
+        return None
+    print(plan.summary())
+    fitting = [c for c in plan.candidates if c.verdict == "chosen" or c.verdict.startswith("fits")]
+    results = []
+    for candidate in fitting:
+        measured = measure(
+            name,
+            overrides,
+            candidate.strategy,
+            candidate.setup_options,
+            devices,
+            global_batch,
+            steps,
+            budget,
+        )
+        results.append((candidate, measured))
+        predicted = candidate.prediction.step_s
+        status = (
+            "OUT OF MEMORY"
+            if measured is None
+            else (
+                f"{measured['step_s']:.4f} s (predicted / measured "
+                f"{predicted / measured['step_s']:.2f}), peak {format_bytes(measured['peak'])}"
+            )
+        )
+        print(
+            f"  {candidate.strategy:<9} {candidate.mesh(devices):<6} "
+            f"{candidate.describe_options():<40} predicted {predicted:.4f} s "
+            f"{format_bytes(candidate.peak):>10}; measured {status}",
+            flush=True,
+        )
+    ran = [(c, m) for c, m in results if m is not None]
+    oom = [c for c, m in results if m is None]
+    chosen_candidate, chosen = next((c, m) for c, m in results if c.verdict == "chosen")
+    fastest = min(m["step_s"] for _, m in ran)
+    rho = spearman([c.prediction.step_s for c, _ in ran], [m["step_s"] for _, m in ran])
+    row = {
+        "scenario": label,
+        "load_start": started,
+        "candidates_run": len(results),
+        "out_of_memory": len(oom),
+        "chosen": plan.strategy,
+        "chosen_described": f"{chosen_candidate.mesh(devices)} "
+        f"{chosen_candidate.describe_options()}",
+        "chosen_options": plan.options,
+        "chosen_over_fastest": chosen["step_s"] / fastest if chosen else float("nan"),
+        "chosen_predicted_over_measured": (
+            plan.predicted_step_s / chosen["step_s"] if chosen else float("nan")
+        ),
+        "spearman": rho,
+    }
+    print(
+        f"chosen {plan.strategy}: {row['chosen_over_fastest']:.2f}x the fastest measured, "
+        f"predicted / measured {row['chosen_predicted_over_measured']:.2f}; "
+        f"{len(oom)} of {len(results)} predicted to fit ran out of memory; Spearman {rho:.2f}"
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,13 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the first untimed)")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--scenario",
+        type=int,
+        action="append",
+        default=None,
+        help="run only this choice scenario (1-based; repeat for several)",
+    )
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}; {args.steps} steps per run")
     out = {}
     if args.part in ("memory", "both"):
         out["memory"] = memory_part(args.global_batch, args.steps)
     if args.part in ("choice", "both"):
-        out["choice"] = choice_part(args.steps)
+        out["choice"] = choice_part(args.steps, args.scenario)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))
     return 0

@@ -60,8 +60,8 @@ def test_the_plan_commands_line_is_the_planned_run(tmp_path, monkeypatch, capsys
     planned = []
     plan_run = prepare.plan_run
 
-    def recorded(config):
-        planned.append(plan_run(config))
+    def recorded(config, **keywords):
+        planned.append(plan_run(config, **keywords))
         return planned[-1]
 
     monkeypatch.setattr(prepare, "plan_run", recorded)

@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-per-device, and every candidate with its memory, time and verdict",
     )
     plan.add_argument("--config", default=None, help="TOML file of TrainConfig keys")
+    plan.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure the model and this machine's collectives again instead of reading "
+        "what an earlier plan measured (kept under $PARATRAIN_CACHE, default "
+        "~/.cache/paratrain)",
+    )
     everything = [item.name for item in fields(TrainConfig) if item.name not in PLAN_REFUSES]
     _add_config_flags(
         plan,

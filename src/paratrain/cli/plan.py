@@ -4,6 +4,8 @@ Takes the flags ``paratrain train`` takes (the model, the data, ``--devices``,
 ``--global-batch``, ``--memory-per-device``, ``--precision``, any strategy option to fix)
 and prints the choice, its predicted memory and step time, and the table of every
 candidate. ``--strategy`` left out searches every strategy (``auto``); given, only it.
+What it measured is kept (``planner/cost_cache``, ``planner/machine``), so asking again
+measures nothing; ``--refresh`` measures again.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def plan_command(args: argparse.Namespace) -> int:
         overrides["strategy"] = AUTO  # left out: every strategy
     config = build_config(file_values, overrides)
     try:
-        planned, chosen, _ = plan_run(config)
+        planned, chosen, _ = plan_run(config, refresh=args.refresh)
     except NoPlanFits as error:
         devices = config.devices or _devices()
         print(format_table(error.candidates, devices, config.global_batch))

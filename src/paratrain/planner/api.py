@@ -11,6 +11,7 @@ measurements, and hands every worker the same answer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,6 +27,7 @@ from paratrain.parallel.options import RunSpec
 from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.parallel.strategy import engine_options
 from paratrain.parallel.tensor.options import PLAN_KEYWORD
+from paratrain.planner import cost_cache
 from paratrain.planner.choose import Candidate, Plan, rank
 from paratrain.planner.machine import cores, machine_costs
 from paratrain.planner.measure import measure_model, measure_optimizer
@@ -38,7 +40,9 @@ ACCUMULATIONS = (1, 2, 4)
 
 
 class ModelMeasurements:
-    """The model's costs, measured when first asked for, per (precision, tensor degree)."""
+    """The model's costs, measured when first asked for, per (precision, tensor degree),
+    or read from the files an earlier measurement of the same model on this machine
+    wrote (``cost_cache``; ``refresh`` measures again)."""
 
     def __init__(
         self,
@@ -49,33 +53,63 @@ class ModelMeasurements:
         optimizer: Callable,
         split_plan: dict[str, str] | None = None,
         worker_threads: int | None = None,
+        refresh: bool = False,
     ) -> None:
         self.model, self.sample, self.loss_fn = model, sample, loss_fn
         self.split_plan = split_plan
         self.worker_threads = worker_threads
-        self.optimizer = measure_optimizer(optimizer, worker_threads=worker_threads)
+        self.refresh = refresh
+        self.optimizer = cost_cache.cached(
+            "optimizer",
+            [
+                cost_cache.optimizer_fingerprint(optimizer),
+                cost_cache.machine_fingerprint(worker_threads),
+            ],
+            refresh,
+            lambda: measure_optimizer(optimizer, worker_threads=worker_threads),
+            dataclasses.asdict,
+            cost_cache.optimizer_from_json,
+        )
         self._costs: dict[tuple[str, int], ModelCosts | ValueError] = {}
+        self._fingerprint: list[Any] | None = None
 
     def costs(self, precision: str, tensor: int) -> ModelCosts:
         key = (precision, tensor)
         if key not in self._costs:
             try:
-                self._costs[key] = measure_model(
-                    self.model,
-                    self.sample,
-                    loss_fn=self.loss_fn,
-                    optimizer=self.optimizer,
-                    precision=precision,
-                    tensor=tensor,
-                    split_plan=self.split_plan,
-                    worker_threads=self.worker_threads,
-                )
+                self._costs[key] = self._cached(precision, tensor)
             except ValueError as error:  # a split the model cannot take
                 self._costs[key] = error
         found = self._costs[key]
         if isinstance(found, ValueError):
             raise found
         return found
+
+    def _cached(self, precision: str, tensor: int) -> ModelCosts:
+        if self._fingerprint is None:  # the model's, once: the sources are read per class
+            self._fingerprint = [
+                cost_cache.model_fingerprint(self.model),
+                cost_cache.sample_fingerprint(self.sample),
+                cost_cache.fingerprint_of(self.loss_fn),
+                cost_cache.machine_fingerprint(self.worker_threads),
+            ]
+        return cost_cache.cached(
+            "model",
+            [*self._fingerprint, precision, tensor, self.split_plan],
+            self.refresh,
+            lambda: measure_model(
+                self.model,
+                self.sample,
+                loss_fn=self.loss_fn,
+                optimizer=self.optimizer,
+                precision=precision,
+                tensor=tensor,
+                split_plan=self.split_plan,
+                worker_threads=self.worker_threads,
+            ),
+            cost_cache.costs_to_json,
+            lambda data: cost_cache.costs_from_json(data, self.optimizer),
+        )
 
 
 ENUMERATED = ("stages", "micro_batches", "schedule", "tensor", "recompute")
@@ -193,6 +227,7 @@ def plan(
     gradient_accumulation: int | tuple[int, ...] | None = None,
     strategy: str | tuple[str, ...] | None = None,
     machine: MachineCosts | None = None,
+    refresh: bool = False,
     **fixed: Any,
 ) -> Plan:
     """The fastest plan predicted to fit ``memory_per_device`` on ``devices`` workers.
@@ -201,7 +236,9 @@ def plan(
     costs are scaled to each plan's micro-batch. Any option ``setup`` takes may be fixed
     (``stages=4``, ``strategy="pipeline"``, ``precision=("fp32", "bf16")`` to allow
     both, the plan of split layers); the rest is searched. Raises ``NoPlanFits`` (which
-    names the smallest need) where nothing fits.
+    names the smallest need) where nothing fits. What was measured is kept per machine
+    (``cost_cache``, ``machine``); ``refresh=True`` measures the model and the machine
+    again.
     """
     devices = devices or default_device_count()
     budget = parse_size(memory_per_device)
@@ -220,8 +257,8 @@ def plan(
             f"{global_batch}) with the options fixed ({fixed or 'none'}); relax them, or "
             "choose a global batch that the devices divide."
         )
-    measurements = _measurements(model, sample, loss_fn, optimizer, fixed, devices)
-    machine = machine or machine_costs(devices)
+    measurements = _measurements(model, sample, loss_fn, optimizer, fixed, devices, refresh)
+    machine = machine or machine_costs(devices, refresh=refresh)
     evaluate(
         found, measurements, machine, devices=devices, global_batch=global_batch, budget=budget
     )
@@ -242,6 +279,7 @@ def predict(
     precision: str = "fp32",
     gradient_accumulation: int = 1,
     machine: MachineCosts | None = None,
+    refresh: bool = False,
     **options: Any,
 ) -> Plan:
     """The prediction for one layout the caller fixes (a ``Plan`` with that one candidate;
@@ -258,11 +296,11 @@ def predict(
     )
     candidate = Candidate(strategy, dict(options), gradient_accumulation, precision)
     budget = parse_size(memory_per_device)
-    measurements = _measurements(model, sample, loss_fn, optimizer, options, devices)
+    measurements = _measurements(model, sample, loss_fn, optimizer, options, devices, refresh)
     evaluate(
         [candidate],
         measurements,
-        machine or machine_costs(devices),
+        machine or machine_costs(devices, refresh=refresh),
         devices=devices,
         global_batch=global_batch,
         budget=budget,
@@ -285,6 +323,7 @@ def _measurements(
     optimizer: Callable,
     options: dict[str, Any],
     devices: int,
+    refresh: bool = False,
 ) -> ModelMeasurements:
     """The model's costs as a worker of ``devices`` would run it (its plan of split
     layers, if the options give one)."""
@@ -295,6 +334,7 @@ def _measurements(
         optimizer=optimizer,
         split_plan=options.get(PLAN_KEYWORD),
         worker_threads=worker_threads(devices),
+        refresh=refresh,
     )
 
 

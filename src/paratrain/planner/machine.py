@@ -2,12 +2,14 @@
 
 The planner's step times add communication to compute, so it needs the latency and the
 bandwidth of the backend the workers use (gloo over loopback on CPU, NCCL on GPUs), for
-each group size a plan forms. ``measure_collectives`` times all-reduces of a small and a
-large payload on groups of each size, and point-to-point messages between two workers,
-inside a job (every worker calls it); ``machine_costs`` starts the workers for that
-when it is called outside one, and keeps the result in a JSON file per machine, backend
-and worker count (``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves it), so later
-plans take no measurement at all.
+each group size a plan forms. ``measure_collectives`` times all-reduces,
+reduce-scatters and all-gathers of a small and a large payload on groups of each size,
+and point-to-point messages between two workers, inside a job (every worker calls it),
+each after every member's share of compute, as a training step meets it
+(``after_work``); ``machine_costs`` starts the workers for that when it is called outside
+one, and keeps the result in a JSON file per machine, backend and worker count
+(``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves it), so later plans take no
+measurement at all (``refresh=True`` measures again).
 """
 
 from __future__ import annotations
@@ -15,20 +17,27 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from paratrain.parallel.cost_model import Line, MachineCosts, divisors
-from paratrain.planner.measure import median_seconds
 from paratrain.runtime import comm
 from paratrain.runtime.devices import current_device
 
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
-REPEATS = 5
-FORMAT = 2
+REPEATS = 7
+FORMAT = 4
+"""4: collectives timed after each member's work, as a step calls them, the fastest of the
+repetitions kept (3: their median; 2: back to back)."""
+WORK_MATMULS = 32
+"""Products of two 128 x 128 matrices each member computes before every timed collective
+(about a millisecond on one thread): see ``after_work``."""
 
 
 def cores() -> int:
@@ -45,10 +54,64 @@ def _slowest(seconds: float) -> float:
     return float(out[0])
 
 
+def after_work(
+    run: Callable[[], Any],
+    work: Callable[[], Any],
+    *,
+    member: bool,
+    line_up: Callable[[], Any] = dist.barrier,
+    post: Callable[[], Any] | None = None,
+) -> float:
+    """The seconds of ``run()`` (a collective) as a training step meets it: each member
+    first does its share of compute (``work``), then calls it; the fastest of
+    ``REPEATS`` repetitions, since on a machine other processes share a repetition one of
+    them interrupts takes many times longer (medians of 7 taken at a load average of 19
+    on 2 cores gave a 4 KiB all-reduce 7 ms and a message 20 ms, and a 2-stage pipeline
+    predicted 4x slower than it ran), and a cached figure outlives the moment's load.
+
+    Timed back to back, a collective finds every member already waiting in it: gloo's
+    all-reduce of 4 KiB took 0.19 ms on 2 cores. After work, the members arrive when
+    their compute ends and the one waiting must be woken: the same collective took about
+    1 ms on the same (busy) machine, and that is what each of a split layer's all-reduces
+    costs a step (timed back to back, the planner chose tensor parallelism for an mlp on
+    2 workers, predicting 2.4 ms per step, measured 10.2 ms, against 7.6 ms measured for
+    data parallelism: issue 24). Every worker of the job calls it (``member``: whether
+    this one takes part); ``line_up`` (a barrier) starts each repetition together;
+    ``post`` runs before the work (a receive posted ahead)."""
+    seconds = []
+    for _ in range(1 + REPEATS):  # the first untimed: one-off costs
+        line_up()
+        if not member:
+            continue
+        if post is not None:
+            post()
+        work()
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return min(seconds[1:]) if seconds else 0.0
+
+
+def member_work(device: torch.device) -> Callable[[], None]:
+    """About a millisecond of compute on one thread (``WORK_MATMULS`` products), ended
+    before it returns (a GPU's queue too)."""
+    matrix = torch.randn(128, 128, device=device) / 128
+
+    def work() -> None:
+        result = matrix
+        for _ in range(WORK_MATMULS):
+            result = torch.tanh(result @ matrix)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return work
+
+
 def measure_collectives() -> MachineCosts:
     """Every worker of the job calls it; every worker gets the same figures."""
     world, rank = comm.world_size(), comm.rank()
     device = current_device()
+    work = member_work(device)
     kinds: dict[str, dict[int, Line]] = {"all_reduce": {}, "reduce_scatter": {}, "all_gather": {}}
     for size in (g for g in divisors(world) if g >= 2):
         group = None if size == world else dist.new_group(list(range(size)))
@@ -56,20 +119,13 @@ def measure_collectives() -> MachineCosts:
             points = []
             for nbytes in SIZES:
                 run = _collective(kind, nbytes, size, group, device)
-                seconds = median_seconds(run, REPEATS) if rank < size else 0.0
-                points.append((nbytes, _slowest(seconds)))
+                points.append((nbytes, _slowest(after_work(run, work, member=rank < size))))
             lines[size] = Line.through(points[0], points[1])
     send_points = []
     for nbytes in SIZES:
-        payload = torch.zeros(nbytes // 4, device=device)
-
-        def exchange(payload: torch.Tensor = payload) -> None:
-            if rank == 0:
-                dist.send(payload, dst=1)
-            elif rank == 1:
-                dist.recv(payload, src=0)
-
-        send_points.append((nbytes, _slowest(median_seconds(exchange, REPEATS))))
+        link = _Link(torch.zeros(nbytes // 4, device=device), rank)
+        seconds = after_work(link.wait, work, member=rank < 2, post=link.post)
+        send_points.append((nbytes, _slowest(seconds)))
     dist.barrier()
     return MachineCosts(
         cores=cores(),
@@ -79,6 +135,28 @@ def measure_collectives() -> MachineCosts:
         reduce_scatter=kinds["reduce_scatter"],
         all_gather=kinds["all_gather"],
     )
+
+
+class _Link:
+    """A message from worker 0 to worker 1 as the pipeline sends one: the receive posted
+    ahead (``post``, before the work), the send started when the work ends, both waited
+    for (``wait``). Blocking ``send``/``recv`` pairs took 2.4 ms each on 2 cores under
+    gloo, against 0.1 ms with the receive posted ahead, which is how the pipeline's
+    stages exchange activations and gradients (``pipeline/p2p.py``)."""
+
+    def __init__(self, payload: torch.Tensor, rank: int) -> None:
+        self.payload, self.rank = payload, rank
+        self.received: Any = None
+
+    def post(self) -> None:
+        if self.rank == 1:
+            self.received = dist.irecv(self.payload, src=0)
+
+    def wait(self) -> None:
+        if self.rank == 0:
+            dist.isend(self.payload, dst=1).wait()
+        elif self.rank == 1:
+            self.received.wait()
 
 
 def _collective(kind: str, nbytes: int, size: int, group, device: torch.device):
@@ -123,9 +201,13 @@ def from_json(data: dict) -> MachineCosts:
     )
 
 
+def cache_root() -> Path:
+    """Where the planner keeps what it measured (``PARATRAIN_CACHE`` moves it)."""
+    return Path(os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain"
-    return Path(root) / "machine"
+    return cache_root() / "machine"
 
 
 def cache_key(devices: int, backend: str) -> str:
@@ -159,16 +241,26 @@ def machine_costs(devices: int, *, refresh: bool = False) -> MachineCosts:
 
         data = launch(_measure_worker, devices=devices)[0]
     if not comm.distributed() or comm.rank() == 0:
-        _write(path, data)
+        write_json(path, data)
     return from_json(data)
 
 
-def _read(path: Path) -> dict | None:
-    """A cached measurement (JSON, never a pickle), or None where absent or unreadable."""
+def read_json(path: Path) -> dict | None:
+    """A file this program wrote (JSON, never a pickle), or None where absent or unreadable."""
     try:
         data = json.loads(path.read_text())
-        from_json(data)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read(path: Path) -> dict | None:
+    """A cached measurement of the collectives, or None where absent, unreadable or of
+    another format."""
+    data = read_json(path)
+    try:
+        from_json(data or {})
+    except (ValueError, KeyError, TypeError):
         return None
     return data if data.get("format") == FORMAT else None
 
@@ -177,7 +269,7 @@ def _launch_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _write(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     """Written whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")

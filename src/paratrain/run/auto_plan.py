@@ -39,6 +39,7 @@ def planned_config(
     optimizer: Callable,
     loss_fn: Callable,
     sample: tuple[Any, Any],
+    refresh: bool = False,
 ) -> tuple[TrainConfig, Plan]:
     """``config`` with the strategy and options the planner chose, and the plan: among
     every strategy under ``auto``, else among the layouts of the one it names."""
@@ -56,6 +57,7 @@ def planned_config(
         precision=config.precision,
         gradient_accumulation=accumulation,
         strategy=strategies,
+        refresh=refresh,
         **fixed,
     )
     options = {key: value for key, value in chosen.options.items() if hasattr(config, key)}

@@ -78,11 +78,14 @@ def prepare_run(config: TrainConfig) -> PreparedRun:
     return PreparedRun(config, devices, bundle, length, resume_from, resumed, chosen)
 
 
-def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any, DatasetBundle]:
+def plan_run(
+    config: TrainConfig, *, refresh: bool = False
+) -> tuple[TrainConfig, Any, DatasetBundle]:
     """``--strategy auto`` and ``paratrain plan``: the planner's choice, made in this process
     before any worker starts (``auto_plan``), the config as if its flags had named it, and
-    the dataset it was measured on. Raises ``NoPlanFits`` where nothing fits (a
-    ``ValueError`` that names the smallest)."""
+    the dataset it was measured on (``refresh``: measured again, not read from the
+    planner's cache). Raises ``NoPlanFits`` where nothing fits (a ``ValueError`` that
+    names the smallest)."""
     from paratrain.run.auto_plan import planned_config
 
     refuse_planning_in_job()
@@ -98,6 +101,7 @@ def plan_run(config: TrainConfig) -> tuple[TrainConfig, Any, DatasetBundle]:
         optimizer=make_optimizer(config),
         loss_fn=loss_for(config.model),
         sample=bundle.train[: config.global_batch],
+        refresh=refresh,
     )
     return planned, chosen, bundle
 
