@@ -63,7 +63,9 @@ class NanoGPTHeadParallel(nn.Module):
         self.head_dim = attention.c_attn.in_features // attention.n_head
         self.n_embd = self.n_head * self.head_dim
         self.dropout = float(getattr(attention, "dropout", 0.0))
-        self.c_attn = ColwiseLinear(attention.c_attn, rank=rank, tensor=tensor, group=group, blocks=3)
+        self.c_attn = ColwiseLinear(
+            attention.c_attn, rank=rank, tensor=tensor, group=group, blocks=3
+        )
         self.c_proj = RowwiseLinear(attention.c_proj, rank=rank, tensor=tensor, group=group)
         self.attn_dropout = getattr(attention, "attn_dropout", nn.Identity())
         self.resid_dropout = getattr(attention, "resid_dropout", nn.Identity())

@@ -87,7 +87,10 @@ def attention_shape(module: nn.Module) -> AttentionShape | None:
 
 def check_heads(name: str, shape: AttentionShape, tensor: int) -> None:
     """Refuse a head count that ``tensor`` does not divide, in one sentence."""
-    for what, count in (("query heads", shape.heads), ("key-value heads", shape.kv_heads)):
+    counts = [("query heads", shape.heads), ("key-value heads", shape.kv_heads)]
+    if shape.heads == shape.kv_heads:
+        counts = [("heads", shape.heads)]
+    for what, count in counts:
         if count % tensor:
             raise ValueError(
                 f"attention {name!r} has {count} {what}, which tensor={tensor} does not "

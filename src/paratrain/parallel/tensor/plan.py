@@ -12,9 +12,9 @@ Every split is checked here, on a meta-device model in the parent process as on 
 one in the workers, and refused with one sentence naming the module: no split found, a
 pattern naming no module, a module of the wrong type, a colwise layer without the rowwise
 layer that takes its slice (or joined to it by more than elementwise ops), a colwise
-layer in a module whose forward does not trace (nothing could check it), a width or head count that ``tensor`` does not divide, a tied
-parameter. Pairs live in one parent module: an ``up`` in one module and its ``down`` in
-another are not paired.
+layer in a module whose forward does not trace (nothing could check it), a width or head
+count that ``tensor`` does not divide, a tied parameter. Pairs live in one parent module:
+an ``up`` in one module and its ``down`` in another are not paired.
 """
 
 from __future__ import annotations
@@ -187,20 +187,25 @@ def _check_pairs(model: nn.Module, plan: TensorPlan) -> None:
         group = next((g for g in traced[parent] if child in g[0]), None)
         members = [] if group is None else [_join(parent, c) for c in group[0]]
         row = None if group is None else _join(parent, group[1])
-        if group is None or plan.splits.get(row) != ROWWISE or any(
-            plan.splits.get(m) != COLWISE or out_width(modules[m]) != in_width(modules[row])
-            for m in members
+        if (
+            group is None
+            or plan.splits.get(row) != ROWWISE
+            or any(
+                plan.splits.get(m) != COLWISE or out_width(modules[m]) != in_width(modules[row])
+                for m in members
+            )
         ):
             fix = (
                 f"make {', '.join(map(repr, members))} colwise and {row!r} rowwise"
                 if group
-                else "make the Linear that consumes its output through elementwise ops "
+                else "make the Linear that consumes its output (through elementwise ops only) "
                 "rowwise"
             )
             raise ValueError(
                 f"tp_plan makes {name!r} colwise, but no rowwise Linear in "
                 f"{parent or 'the model'!r} takes its {out_width(modules[name])} output "
-                f"features through elementwise ops alone; {fix}, or make {name!r} replicate."
+                f"features, joined to it by elementwise ops only; {fix}, or make {name!r} "
+                "replicate."
             )
         rowwise.discard(row)
     for name in sorted(rowwise):
@@ -215,10 +220,11 @@ def _check_divisible(model: nn.Module, plan: TensorPlan, tensor: int) -> None:
     for name, kind in plan.splits.items():
         module = modules[name]
         what, size = {
-            COLWISE: ("output features", out_width(module)),
-            ROWWISE: ("input features", in_width(module)),
-            VOCAB: ("rows", getattr(module, "num_embeddings", 0)),
+            COLWISE: ("output features", out_width),
+            ROWWISE: ("input features", in_width),
+            VOCAB: ("rows", lambda embedding: embedding.num_embeddings),
         }[kind]
+        size = size(module)
         if size % tensor:
             raise ValueError(
                 f"{name!r} ({kind}) has {size} {what}, which tensor={tensor} does not divide; "
