@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import paratrain
+from paratrain.parallel.tensor.hf_plan import translated
 from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, detect_plan, resolve_plan
 from tests import tp_model_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
@@ -32,13 +33,14 @@ RUNS = [
     ("tp", "llama", "sgd", {}),
     ("tp", "llama", "adam", {}),
     ("tp", "llama", "sgd", {"tp_plan": tp_model_workers.LLAMA_PLAN}),
+    ("tp", "llama", "adam", {"tp_plan": "auto"}),
     ("tp", "gpt2", "sgd", {}),
     ("tp", "gpt2", "adam", {}),
     ("tp", "nanogpt", "sgd", {}),
     ("tp", "nanogpt", "adam", {}),
 ]
-"""(strategy, model, optimizer, options) at tensor=2: the plan found, and Llama's
-explicit (Hugging Face's own) plan."""
+"""(strategy, model, optimizer, options) at tensor=2: the plan found, Llama's explicit
+plan, and its config's own (``"auto"``)."""
 
 
 def without_key_bias(state: dict) -> dict:
@@ -129,3 +131,19 @@ def test_the_plan_is_found_for_each_block(kind, splits, attention):
         f"{prefix}.{block}.{name}": how for block in (0, 1) for name, how in splits.items()
     }
     assert plan.attention == tuple(f"{prefix}.{block}.{attention}" for block in (0, 1))
+
+
+def test_auto_takes_the_configs_plan_under_the_base_models_prefix():
+    model = llama()
+    assert translated(model, "auto") == tp_model_workers.LLAMA_PLAN
+    assert resolve_plan(model, 2, "auto") == resolve_plan(model, 2, None)
+    as_is = {p.removeprefix("model."): k for p, k in tp_model_workers.LLAMA_PLAN.items()}
+    assert resolve_plan(model, 2, as_is) == resolve_plan(model, 2, None)
+
+
+def test_a_hugging_face_kind_without_an_exact_counterpart_is_refused():
+    plan = {**tp_model_workers.LLAMA_PLAN, "lm_head": "colwise_gather_output"}
+    with pytest.raises(ValueError, match="'lm_head' 'colwise_gather_output', which has no exact"):
+        resolve_plan(llama(), 2, plan)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has none"):
+        resolve_plan(tp_model_workers.build("gpt2"), 2, "auto")

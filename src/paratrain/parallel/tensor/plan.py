@@ -2,11 +2,12 @@
 
 ``tp_plan`` maps ``fnmatch`` patterns over module names (``model.named_modules()``) to
 ``"colwise"``, ``"rowwise"``, ``"vocab"`` or ``"replicate"``; a module takes the first
-pattern that matches it. Without one, the plan is found where it is unambiguous: the
-``nn.Linear`` (or ``Conv1D``) children of one module, one or two feeding another through
-elementwise ops only (``detect``: an MLP, a gated MLP), become colwise then rowwise; an
-attention of a shape ``heads`` knows splits by heads (a plan must name all of its
-projections, or none). Everything else is replicated.
+pattern that matches it (``"auto"``, or Hugging Face's kinds: see ``hf_plan``). Without
+one, the plan is found where it is unambiguous: the ``nn.Linear`` (or ``Conv1D``)
+children of one module, one or two feeding another through elementwise ops only
+(``detect``: an MLP, a gated MLP), become colwise then rowwise; an attention of a shape
+``heads`` knows splits by heads (a plan must name all of its projections, or none).
+Everything else is replicated.
 
 Every split is checked here, on a meta-device model in the parent process as on the real
 one in the workers, and refused with one sentence naming the module: no split found, a
@@ -26,6 +27,7 @@ from torch import nn
 
 from paratrain.parallel.tensor.detect import feeding_groups, in_width, is_linear, out_width
 from paratrain.parallel.tensor.heads import attention_shape, check_heads
+from paratrain.parallel.tensor.hf_plan import translated
 
 COLWISE, ROWWISE, VOCAB, REPLICATE = "colwise", "rowwise", "vocab", "replicate"
 KINDS = (COLWISE, ROWWISE, VOCAB, REPLICATE)
@@ -87,7 +89,10 @@ def detect_plan(model: nn.Module) -> TensorPlan:
 
 def _checked_kinds(tp_plan: dict[str, str]) -> None:
     if not isinstance(tp_plan, dict):
-        raise TypeError(f"tp_plan must be a dict of pattern -> kind, such as {EXAMPLE}.")
+        raise TypeError(
+            f"tp_plan must be a dict of pattern -> kind, such as {EXAMPLE}, or 'auto' (a "
+            "Hugging Face model's own plan)."
+        )
     for pattern, kind in tp_plan.items():
         if kind not in KINDS:
             raise ValueError(
@@ -250,8 +255,10 @@ def _check_untied(model: nn.Module, plan: TensorPlan) -> None:
                 )
 
 
-def resolve_plan(model: nn.Module, tensor: int, tp_plan: dict[str, str] | None) -> TensorPlan:
+def resolve_plan(model: nn.Module, tensor: int, tp_plan: dict[str, str] | str | None) -> TensorPlan:
     """The checked plan for ``model`` split over ``tensor`` ranks (see the docstring)."""
+    if tp_plan is not None:
+        tp_plan = translated(model, tp_plan)
     plan = detect_plan(model) if tp_plan is None else plan_from_patterns(model, tp_plan)
     if not plan.splits and not plan.attention:
         where = "found no layer to split" if tp_plan is None else "splits no layer"

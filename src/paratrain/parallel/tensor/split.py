@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.tensor import setup_check
+from paratrain.parallel.tensor import hf_plan, setup_check
 from paratrain.parallel.tensor.apply import apply_plan
 from paratrain.parallel.tensor.plan import TensorPlan, resolve_plan
 from paratrain.parallel.tensor.rng import share_stream
@@ -163,7 +163,7 @@ def split_model(
     model: nn.Module,
     mesh: Mesh,
     *,
-    tp_plan: dict[str, str] | None,
+    tp_plan: dict[str, str] | str | None,
     only: set[str] | None = None,
 ) -> TensorSplit:
     """Split ``model``'s planned layers in place and return this worker's ``TensorSplit``.
@@ -179,6 +179,8 @@ def split_model(
     """
     tensor, rank, group = mesh.tensor, mesh.tensor_rank, mesh.tensor_group
     whole_plan = resolve_plan(model, tensor, tp_plan)
+    if tp_plan == hf_plan.AUTO and comm.rank() == 0:
+        print(hf_plan.applied_line(model, hf_plan.translated(model, tp_plan)), flush=True)
     plan = whole_plan if only is None else whole_plan.restricted_to(only)
     wholes = setup_check.keep_wholes(model, plan.attention)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)
