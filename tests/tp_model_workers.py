@@ -49,7 +49,7 @@ def batches(kind: str) -> list[tuple]:
         return out
     shifted = [torch.cat([y[:, 1:], torch.full_like(y[:, :1], -1)], 1) for _, y in out]
     return [
-        ({"idx": x["input_ids"], "targets": t.clamp(min=-1)}, t)
+        ({"idx": x["input_ids"], "targets": t.clamp(min=-1)}, t.clamp(min=-1))
         for (x, _), t in zip(out, shifted, strict=True)
     ]
 
@@ -125,4 +125,49 @@ def parity_worker(runs: list[tuple]) -> list | None:
 
     results = [train(strategy, kind, opt, **options) for strategy, kind, opt, options in runs]
     results.append(refused_by_first_batch())
+    return results if comm.rank() == 0 else None
+
+
+class NanoGPTTokenLoss:
+    """nanoGPT's logits (``outputs[0]``) against its targets as ``(sum, count)``, -1
+    ignored: exact under replicas whatever each share's token count."""
+
+    def __init__(self) -> None:
+        from paratrain.losses import TokenCrossEntropy
+
+        self.token = TokenCrossEntropy(ignore_index=-1)
+
+    def __call__(self, outputs, targets):
+        return self.token(outputs[0], targets)
+
+    def count(self, targets) -> int:
+        return self.token.count(targets)
+
+
+def configure_optimizers_run(strategy: str) -> tuple[dict, list[float]]:
+    """nanoGPT with its own ``configure_optimizers`` (AdamW, weight decay on 2-D
+    tensors only) as nanoGPT's users pass it: a factory that ignores what it is given and
+    reads the model. eps 1e-6 and the per-tensor loop, as tests/hf_workers.optimizer
+    explains (the tied embedding's barely touched rows)."""
+    import paratrain
+
+    model = nanogpt()
+
+    def factory(params):
+        optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+        for group in optimizer.param_groups:
+            group.update(eps=1e-6, foreach=False)
+        return optimizer
+
+    engine = paratrain.setup(
+        model, optimizer=factory, loss_fn=NanoGPTTokenLoss(), strategy=strategy
+    )
+    losses = [engine.train_step(x, y).loss for x, y in batches("nanogpt")]
+    return engine.state_dict(), losses
+
+
+def configure_optimizers_worker(strategies: list[str]) -> list | None:
+    from paratrain.runtime import comm
+
+    results = [configure_optimizers_run(strategy) for strategy in strategies]
     return results if comm.rank() == 0 else None
