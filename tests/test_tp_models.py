@@ -18,7 +18,6 @@ keys, a slice normalised alone) is off by ~1e-1 (the refused attention below: 0.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 import paratrain
@@ -43,17 +42,6 @@ RUNS = [
 plan, and its config's own (``"auto"``)."""
 
 
-def without_key_bias(state: dict) -> dict:
-    """``state`` with the key third of each packed attention bias left out (see the
-    module docstring: its gradient is zero analytically, noise that Adam amplifies)."""
-    out = dict(state)
-    for name, value in state.items():
-        if name.endswith("attn.c_attn.bias"):
-            query, _, value_part = value.chunk(3)
-            out[name] = torch.cat([query, value_part])
-    return out
-
-
 @pytest.mark.slow
 def test_llama_gpt2_and_nanogpt_split_by_heads_train_as_one_process():
     """2 workers, padded dict batches with attention masks, 4 steps each; and an
@@ -63,7 +51,8 @@ def test_llama_gpt2_and_nanogpt_split_by_heads_train_as_one_process():
         reference, reference_losses = tp_model_workers.train("single", run[1], run[2])
         assert relative_error(reference, tp_model_workers.build(run[1]).state_dict()) > 1e-3
         if run[2] == "adam":
-            state, reference = without_key_bias(state), without_key_bias(reference)
+            state = tp_model_workers.without_key_bias(state)
+            reference = tp_model_workers.without_key_bias(reference)
         error = relative_error(state, reference)
         assert error <= TOLERANCE, (run, error)
         assert losses == pytest.approx(reference_losses, rel=TOLERANCE), run

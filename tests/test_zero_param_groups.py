@@ -135,7 +135,7 @@ def test_nanogpts_own_configure_optimizers_trains_under_zero_as_one_process():
     as dp does. 2 workers, padded batches, AdamW against one process at the suite's bar
     (the key bias left out, as tests/test_tp_models.py explains)."""
     from tests import tp_model_workers
-    from tests.test_tp_models import without_key_bias
+    from tests.tp_model_workers import without_key_bias
 
     strategies = ["dp", "zero1", "zero2", "zero3"]
     results = paratrain.launch(
