@@ -18,9 +18,11 @@ keys, a slice normalised alone) is off by ~1e-1 (the refused attention below: 0.
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import paratrain
+from paratrain.parallel.tensor.detect import feeding_groups
 from paratrain.parallel.tensor.hf_plan import translated
 from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, detect_plan, resolve_plan
 from tests import tp_model_workers
@@ -59,6 +61,27 @@ def test_llama_gpt2_and_nanogpt_split_by_heads_train_as_one_process():
     refused = results[-1]
     assert "attention '0' (NormedHeadsAttention)" in refused, refused
     assert "computes another function on the first batch" in refused, refused
+
+
+WIDER = [
+    ("tp", "nanogpt", "sgd", {}),
+    ("dp", "llama", "sgd", {"tensor": 2}),
+    ("dp", "gpt2", "adam", {"tensor": 2}),
+    ("zero2", "nanogpt", "adam", {"tensor": 2}),
+]
+"""4 workers: nanoGPT at tensor 4 (its 4 heads one each), then 2 replicas x 2 tensor."""
+
+
+@pytest.mark.slow
+def test_tensor_4_and_replicas_by_tensor_train_as_one_process():
+    results = paratrain.launch(tp_model_workers.parity_worker, devices=4, args=(WIDER, False))[0]
+    for run, (state, losses) in zip(WIDER, results, strict=True):
+        reference, reference_losses = tp_model_workers.train("single", run[1], run[2])
+        if run[2] == "adam":
+            state = tp_model_workers.without_key_bias(state)
+            reference = tp_model_workers.without_key_bias(reference)
+        assert relative_error(state, reference) <= TOLERANCE, run
+        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), run
 
 
 def llama() -> nn.Module:
@@ -136,3 +159,27 @@ def test_a_hugging_face_kind_without_an_exact_counterpart_is_refused():
         resolve_plan(llama(), 2, plan)
     with pytest.raises(ValueError, match="GPT2LMHeadModel has none"):
         resolve_plan(tp_model_workers.build("gpt2"), 2, "auto")
+
+
+class Gated(nn.Module):
+    """A gated MLP; ``escaping`` also reads up's slice outside the pair (not splittable),
+    ``mixed`` multiplies the gate by the (whole) input instead of up's output."""
+
+    def __init__(self, how: str = "gated") -> None:
+        super().__init__()
+        self.how = how
+        self.gate, self.up, self.down = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        if self.how == "mixed":
+            return self.down(torch.relu(self.gate(x)) * x.repeat(1, 2))
+        up = self.up(x)
+        out = self.down(nn.functional.silu(self.gate(x)) * up)
+        return out + up.sum(-1, keepdim=True) if self.how == "escaping" else out
+
+
+@pytest.mark.parametrize(
+    ("how", "groups"), [("gated", [(("gate", "up"), "down")]), ("escaping", []), ("mixed", [])]
+)
+def test_a_gated_pair_is_found_only_where_its_slices_stay_inside(how, groups):
+    assert feeding_groups(Gated(how)) == groups

@@ -66,11 +66,10 @@ def batches(kind: str) -> list[tuple]:
 
 
 def loss_fn(kind: str):
+    """The (sum, count) token loss: exact under replicas whatever their token counts."""
     from paratrain.losses import causal_lm_cross_entropy
 
-    if kind == "nanogpt":  # its own loss: the mean over the (one) replica's tokens
-        return lambda outputs, _: outputs[1]
-    return causal_lm_cross_entropy
+    return NanoGPTTokenLoss() if kind == "nanogpt" else causal_lm_cross_entropy
 
 
 def train(strategy: str, kind: str, opt: str, **options) -> tuple[dict, list[float]]:
@@ -129,13 +128,14 @@ def refused_by_first_batch() -> str:
     return "trained"
 
 
-def parity_worker(runs: list[tuple]) -> list | None:
-    """Each (strategy, kind, optimizer, options) in one launch, then the refused
-    attention; rank 0 returns the results."""
+def parity_worker(runs: list[tuple], refusal: bool = True) -> list | None:
+    """Each (strategy, kind, optimizer, options) in one launch, then (``refusal``) the
+    refused attention; rank 0 returns the results."""
     from paratrain.runtime import comm
 
     results = [train(strategy, kind, opt, **options) for strategy, kind, opt, options in runs]
-    results.append(refused_by_first_batch())
+    if refusal:
+        results.append(refused_by_first_batch())
     return results if comm.rank() == 0 else None
 
 
