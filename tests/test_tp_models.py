@@ -35,13 +35,14 @@ RUNS = [
     ("tp", "llama", "adam", {}),
     ("tp", "llama", "sgd", {"tp_plan": tp_model_workers.LLAMA_PLAN}),
     ("tp", "llama", "adam", {"tp_plan": "auto"}),
+    ("tp", "llama_eager", "sgd", {}),
     ("tp", "gpt2", "sgd", {}),
     ("tp", "gpt2", "adam", {}),
     ("tp", "nanogpt", "sgd", {}),
     ("tp", "nanogpt", "adam", {}),
 ]
 """(strategy, model, optimizer, options) at tensor=2: the plan found, Llama's explicit
-plan, and its config's own (``"auto"``)."""
+plan, its config's own (``"auto"``), and its eager attention."""
 
 
 @pytest.mark.slow

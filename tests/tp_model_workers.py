@@ -49,7 +49,14 @@ def nanogpt() -> nn.Module:
 
 
 def build(kind: str) -> nn.Module:
-    return nanogpt() if kind == "nanogpt" else hf_workers.build(kind)
+    """nanoGPT, or tests/hf_workers.py's model; ``llama_eager`` runs Hugging Face's eager
+    attention, which also returns the per-head weights."""
+    if kind == "nanogpt":
+        return nanogpt()
+    model = hf_workers.build(kind.removesuffix("_eager"))
+    if kind.endswith("_eager"):
+        model.config._attn_implementation = "eager"
+    return model
 
 
 def batches(kind: str) -> list[tuple]:
