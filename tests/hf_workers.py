@@ -139,3 +139,24 @@ def resume(strategy: str, kind: str, path: str, **options) -> tuple[dict, float]
     resumed.load_checkpoint(path)
     x, y = batches()[0]
     return resumed.state_dict(), resumed.train_step(x, y).loss
+
+
+def train_own_loss(runs: list[tuple]) -> list[tuple] | None:
+    """Each (strategy, kind, options) with the labels inside the dict batch and the
+    model's own loss (``loss_fn=lambda outputs, _: outputs.loss``, the Hugging Face
+    habit), SGD-momentum; rank 0 returns (state, losses) per run."""
+    import paratrain
+    from paratrain.runtime import comm
+
+    results = []
+    for strategy, kind, options in runs:
+        engine = paratrain.setup(
+            build(kind),
+            optimizer=optimizer("sgd"),
+            loss_fn=lambda outputs, _: outputs.loss,
+            strategy=strategy,
+            **options,
+        )
+        losses = [engine.train_step({**x, "labels": y}, None).loss for x, y in batches()]
+        results.append((engine.state_dict(), losses))
+    return results if comm.rank() == 0 else None

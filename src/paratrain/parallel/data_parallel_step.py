@@ -23,6 +23,7 @@ from torch import nn
 from paratrain.parallel.batching import batch_size, check_divisible, split_micro
 from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.memory_tracking import MemoryTracker
+from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.precision import Precision
 from paratrain.runtime import comm
 
@@ -108,10 +109,12 @@ class DataParallelStep:
         backward_scale = self.precision.loss_factor(scale)
         totals = LossTotals(loss_fn, targets, share_tgt, parts=k * replicas, device=self.device)
         self.sync_buffers(training=True)
+        items = with_num_items(self.model, inputs, k * replicas, loss_fn)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
             last = index == k - 1
             self.reducer.begin_micro_batch(last=last)
+            micro_in = part_inputs(micro_in, items, k * replicas)
             with self.memory.forward(index), self.precision.autocast(self.device):
                 loss = totals.add(loss_fn(self.forward(micro_in), micro_tgt))
             scaled = totals.scaled(loss, backward_scale, self.precision.loss_factor())

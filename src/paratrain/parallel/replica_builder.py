@@ -92,7 +92,7 @@ def build_replica(
     device: torch.device,
     broadcast_buffers: bool,
     sync_batchnorm: bool,
-    tp_plan: dict[str, str] | None,
+    tp_plan: dict[str, str] | str | None,
     recompute: bool,
 ) -> Replica:
     """``model`` made this worker's replica; every worker calls it once placed. The steps,

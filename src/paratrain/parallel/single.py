@@ -22,6 +22,7 @@ from paratrain.parallel.description import Strategy
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
+from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.options import RunSpec
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import RECOMPUTE, recomputing_forward
@@ -83,6 +84,7 @@ class SingleDeviceEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         self.memory.begin_step(self.steps_taken)
         totals = LossTotals(self.loss_fn, targets, targets, parts=k, device=self._device)
+        items = with_num_items(self.model, inputs, k, self.loss_fn)
         for index, (micro_in, micro_tgt) in enumerate(
             zip(
                 split_micro(to_device(inputs, self._device), k),
@@ -91,7 +93,8 @@ class SingleDeviceEngine(Engine):
             )
         ):
             with self.memory.forward(index), self.precision.autocast(self._device):
-                loss = totals.add(self.loss_fn(call_model(self._forward, micro_in), micro_tgt))
+                outputs = call_model(self._forward, part_inputs(micro_in, items, k))
+                loss = totals.add(self.loss_fn(outputs, micro_tgt))
             scaled = loss / totals.divisor  # a mean by k, a sum by the global count
             (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
             self.memory.release(index)

@@ -85,7 +85,7 @@ class DataParallelEngine(ReplicaShare, Engine):
         broadcast_buffers: bool = True,
         sync_batchnorm: bool = False,
         tensor: int | None = None,
-        tp_plan: dict[str, str] | None = None,
+        tp_plan: dict[str, str] | str | None = None,
         **shared: Any,
     ) -> None:
         """dp's options as above; ``shared``: every engine's (``EngineSettings``)."""

@@ -169,7 +169,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         bucket_mb: float = 25.0,
         split_points: list[str] | None = None,
         tensor: int | None = None,
-        tp_plan: dict[str, str] | None = None,
+        tp_plan: dict[str, str] | str | None = None,
         **shared: Any,
     ) -> None:
         """The pipeline's options as above; ``shared``: every engine's

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from paratrain.parallel.tensor.attention import HeadParallelAttention
+from paratrain.parallel.tensor.heads import split_attention
 from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear, VocabEmbedding
 from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, VOCAB, TensorPlan
 from paratrain.parallel.tensor.shards import ShardSpec
@@ -21,7 +21,7 @@ def apply_plan(
     model: nn.Module, plan: TensorPlan, *, rank: int, tensor: int, group: ProcessGroup | None
 ) -> dict[str, ShardSpec]:
     """Split ``model``'s planned modules; returns ``{parameter name: ShardSpec}``."""
-    replacements = {name: HeadParallelAttention for name in plan.attention}
+    replacements = {name: split_attention for name in plan.attention}
     replacements.update({name: _LAYERS[kind] for name, kind in plan.splits.items()})
     for name, layer in replacements.items():
         parent_name, _, child = name.rpartition(".")

@@ -9,6 +9,8 @@ state-dict keys do not change, and its forward's meaning:
 - ``RowwiseLinear``: input features split (it takes a colwise layer's slice); the partial
   products are summed by ``g`` and only then is the bias added, whole and replicated, so
   the bias is counted once and its gradient (the whole output's) is exact on every rank.
+- GPT-2's ``Conv1D`` (``x @ weight + bias``, its weight stored (in, out)) splits alike,
+  along the other dimension of its weight (``transposed``).
 - ``VocabEmbedding``: rows (token ids) split; a rank looks up the ids it holds, zeros the
   others, and ``g`` sums the ranks' rows.
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from paratrain.parallel.tensor.detect import in_width, is_conv1d, out_width
 from paratrain.parallel.tensor.mappings import copy_to_tensor_group, reduce_from_tensor_group
 from paratrain.parallel.tensor.shards import ShardSpec
 
@@ -29,44 +32,50 @@ def _slice_parameter(full: torch.Tensor, spec: ShardSpec, rank: int) -> nn.Param
 
 
 class ColwiseLinear(nn.Module):
-    """This rank's output features of a Linear (``blocks`` > 1: of each fused block)."""
+    """This rank's output features of a Linear or Conv1D (``blocks`` > 1: of each fused
+    block)."""
 
     def __init__(
-        self, linear: nn.Linear, *, rank: int, tensor: int, group: ProcessGroup | None, blocks=1
+        self, linear: nn.Module, *, rank: int, tensor: int, group: ProcessGroup | None, blocks=1
     ) -> None:
         super().__init__()
         self.group = group
-        spec = ShardSpec(dim=0, parts=tensor, blocks=blocks)
+        self.transposed = is_conv1d(linear)
+        spec = ShardSpec(dim=int(self.transposed), parts=tensor, blocks=blocks)
         self.shard_specs = {"weight": spec}
         self.weight = _slice_parameter(linear.weight, spec, rank)
         self.bias = None
         if linear.bias is not None:
-            self.shard_specs["bias"] = spec
-            self.bias = _slice_parameter(linear.bias, spec, rank)
-        self.in_features = linear.in_features
-        self.out_features = self.weight.shape[0]
+            self.shard_specs["bias"] = ShardSpec(dim=0, parts=tensor, blocks=blocks)
+            self.bias = _slice_parameter(linear.bias, self.shard_specs["bias"], rank)
+        self.in_features = in_width(linear)
+        self.out_features = out_width(linear) // tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_group(x, self.group), self.weight, self.bias)
+        weight = self.weight.t() if self.transposed else self.weight
+        return F.linear(copy_to_tensor_group(x, self.group), weight, self.bias)
 
 
 class RowwiseLinear(nn.Module):
-    """This rank's input features of a Linear; outputs summed, then the whole bias added."""
+    """This rank's input features of a Linear or Conv1D; outputs summed, then the whole
+    bias added."""
 
     def __init__(
-        self, linear: nn.Linear, *, rank: int, tensor: int, group: ProcessGroup | None
+        self, linear: nn.Module, *, rank: int, tensor: int, group: ProcessGroup | None
     ) -> None:
         super().__init__()
         self.group = group
-        spec = ShardSpec(dim=1, parts=tensor)
+        self.transposed = is_conv1d(linear)
+        spec = ShardSpec(dim=1 - int(self.transposed), parts=tensor)
         self.shard_specs = {"weight": spec}
         self.weight = _slice_parameter(linear.weight, spec, rank)
         self.bias = linear.bias  # replicated: added once, after the sum
-        self.in_features = self.weight.shape[1]
-        self.out_features = linear.out_features
+        self.in_features = in_width(linear) // tensor
+        self.out_features = out_width(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_tensor_group(F.linear(x, self.weight), self.group)
+        weight = self.weight.t() if self.transposed else self.weight
+        out = reduce_from_tensor_group(F.linear(x, weight), self.group)
         return out if self.bias is None else out + self.bias
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from paratrain.parallel.tensor import hf_plan, setup_check
 from paratrain.parallel.tensor.apply import apply_plan
 from paratrain.parallel.tensor.plan import TensorPlan, resolve_plan
 from paratrain.parallel.tensor.rng import share_stream
@@ -162,7 +163,7 @@ def split_model(
     model: nn.Module,
     mesh: Mesh,
     *,
-    tp_plan: dict[str, str] | None,
+    tp_plan: dict[str, str] | str | None,
     only: set[str] | None = None,
 ) -> TensorSplit:
     """Split ``model``'s planned layers in place and return this worker's ``TensorSplit``.
@@ -172,12 +173,18 @@ def split_model(
     that replicated activations, dropout included, are computed alike on each. ``only``
     (module names) limits the split to the modules this worker keeps, a pipeline stage's;
     the plan is still checked on the whole model, so every stage agrees on it. The
-    degree, this worker's rank and its group are ``mesh``'s tensor dimension.
+    degree, this worker's rank and its group are ``mesh``'s tensor dimension. An
+    attention that keeps a forward we did not write is checked against its whole self
+    at its first call (``setup_check``).
     """
     tensor, rank, group = mesh.tensor, mesh.tensor_rank, mesh.tensor_group
     whole_plan = resolve_plan(model, tensor, tp_plan)
+    if tp_plan == hf_plan.AUTO and comm.rank() == 0:
+        print(hf_plan.applied_line(model, hf_plan.translated(model, tp_plan)), flush=True)
     plan = whole_plan if only is None else whole_plan.restricted_to(only)
+    wholes = setup_check.keep_wholes(model, plan.attention)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)
+    setup_check.arm(model, wholes)
     params = dict(model.named_parameters())
     shapes = {name: params[name].shape for name in specs}
     return TensorSplit(tensor, rank, group, plan, specs, shapes, whole_plan)

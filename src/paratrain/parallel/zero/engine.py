@@ -119,7 +119,7 @@ class ZeroEngine(ReplicaShare, ZeroCheckpointState, Engine):
         broadcast_buffers: bool = True,
         sync_batchnorm: bool = False,
         tensor: int | None = None,
-        tp_plan: dict[str, str] | None = None,
+        tp_plan: dict[str, str] | str | None = None,
         **shared: Any,
     ) -> None:
         """The stages' options (see the stage classes); ``shared``: every engine's

@@ -13,11 +13,14 @@ each element with its own parameter's group settings: exactly the plain loop.
 
 When the factory takes plain parameters and builds one group over all of them, it is
 called on the slices themselves, as before, so the optimizer is the very object it builds.
+A factory that ignores what it is given and reads the model itself (nanoGPT's
+``lambda params: model.configure_optimizers(...)``) is matched by tensor identity, as dp
+matches it, and its groups rebuilt over the slices like any other.
 
 Refused, with a sentence: a trainable parameter the factory leaves out (it would train
 under the plain loop never, here it would need a slice of its own that nothing updates),
-a parameter listed twice (the plain loop would update it twice), and a tensor that is not
-one of the model's parameters.
+a parameter listed twice (the plain loop would update it twice), and a tensor that is
+neither one of the model's parameters nor a stand-in it was given.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ def learn_groups(
         stand_ins = list(named)
         optimizer = optimizer_from_factory(factory, stand_ins)
     name_of = {id(p): name for name, p in stand_ins}
+    given = set(name_of)
+    # a factory that reads the model itself (nanoGPT's ``configure_optimizers``, groups
+    # built from ``model.named_parameters()``): its tensors are matched by identity, as dp
+    name_of.update({id(p): name for name, p in named})
     trainable = {name for name, p in named if p.requires_grad}
     seen: set[str] = set()
     names: list[list[str]] = []
@@ -92,8 +99,10 @@ def learn_groups(
             if name is None:
                 raise ValueError(
                     f"{strategy} maps the optimizer's parameter groups onto the model's "
-                    "parameters, and the factory put a tensor in it that is not one of them; "
-                    "build the optimizer from the parameters the factory is given."
+                    "parameters, and the factory put a tensor in it that is neither one of "
+                    "them nor one it was given; build the optimizer from the model's "
+                    "parameters, or from the (name, parameter) pairs a factory whose first "
+                    "argument is called named_parameters is given."
                 )
             if name in seen:
                 raise ValueError(
@@ -113,5 +122,7 @@ def learn_groups(
             "give them to the optimizer, set requires_grad=False on them, or use strategy='dp'."
         )
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    plain = not wants_names(factory) and len(names) == 1
+    # called on the slices again only if it built its optimizer from what it was given
+    took_given = all(id(p) in given for group in optimizer.param_groups for p in group["params"])
+    plain = not wants_names(factory) and len(names) == 1 and took_given
     return ParamGroups(type(optimizer), dict(optimizer.defaults), settings, names, plain)

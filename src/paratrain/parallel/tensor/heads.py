@@ -1,0 +1,125 @@
+"""Attention modules whose shape we recognise, split by heads.
+
+An attention's forward does not trace (Hugging Face's reads its config and dispatches on
+it), so what joins q, k and v to the output projection cannot be checked as an MLP's is.
+We recognise four shapes and split each by heads, rank ``r`` holding heads
+``[r H/t, (r+1) H/t)`` of q and the key-value heads they read:
+
+- ``reference``: our gpt's ``CausalSelfAttention`` (packed ``qkv``, ``proj``), replaced by
+  ``HeadParallelAttention``;
+- ``nanogpt``: nanoGPT's ``CausalSelfAttention`` (packed ``c_attn``, ``c_proj``,
+  ``n_head``); its forward takes the width from its input, so it is replaced by
+  ``NanoGPTHeadParallel``, which runs the same operations on the rank's heads;
+- ``separate``: Hugging Face's q_proj / k_proj / v_proj / o_proj with ``head_dim`` (Llama,
+  Mistral, Qwen2; grouped key-value heads split when ``tensor`` divides their count);
+- ``packed``: GPT-2's ``c_attn`` / ``c_proj`` (``Conv1D``), q, k and v each sliced by
+  heads, ``split_size`` and ``num_heads`` set to the slice's.
+
+The last three keep the module and its forward; only the projections are swapped (and the
+per-slice head counts set), and ``setup_check`` compares the split module with the whole
+one on the first batch before any step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from paratrain.parallel.tensor.attention import (
+    HeadParallelAttention,
+    NanoGPTHeadParallel,
+    is_reference_attention,
+)
+from paratrain.parallel.tensor.detect import is_conv1d, out_width
+from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "split_size")
+"""Module attributes that count a slice's heads (or its width): divided by ``tensor``."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A recognised attention: its colwise inputs, rowwise output, head counts."""
+
+    kind: str
+    inputs: tuple[str, ...]
+    output: str
+    heads: int
+    kv_heads: int
+
+    def plan_text(self, name: str) -> str:
+        """The tp_plan entries that split the attention ``name`` by heads."""
+        entries = [f"'{name}.{child}': 'colwise'" for child in self.inputs]
+        return "{" + ", ".join([*entries, f"'{name}.{self.output}': 'rowwise'"]) + "}"
+
+
+def _children_are(module: nn.Module, names: tuple[str, ...], conv1d: bool = False) -> bool:
+    kind = is_conv1d if conv1d else (lambda child: isinstance(child, nn.Linear))
+    return all(kind(getattr(module, name, None)) for name in names)
+
+
+def attention_shape(module: nn.Module) -> AttentionShape | None:
+    """The shape of ``module`` if it is an attention we can split (see the docstring)."""
+    if is_reference_attention(module):
+        return AttentionShape("reference", ("qkv",), "proj", module.n_head, module.n_head)
+    name = type(module).__name__
+    if name == "CausalSelfAttention" and _children_are(module, ("c_attn", "c_proj")):
+        if isinstance(getattr(module, "n_head", None), int):
+            return AttentionShape("nanogpt", ("c_attn",), "c_proj", module.n_head, module.n_head)
+    separate = ("q_proj", "k_proj", "v_proj", "o_proj")
+    head_dim = getattr(module, "head_dim", None)
+    if isinstance(head_dim, int) and _children_are(module, separate):
+        heads = module.q_proj.out_features // head_dim
+        kv_heads = module.k_proj.out_features // head_dim
+        return AttentionShape("separate", separate[:3], "o_proj", heads, kv_heads)
+    if (
+        _children_are(module, ("c_attn", "c_proj"), conv1d=True)
+        and isinstance(getattr(module, "num_heads", None), int)
+        and isinstance(getattr(module, "split_size", None), int)
+        and not getattr(module, "is_cross_attention", False)
+        and out_width(module.c_attn) == 3 * module.split_size
+    ):
+        return AttentionShape("packed", ("c_attn",), "c_proj", module.num_heads, module.num_heads)
+    return None
+
+
+def check_heads(name: str, shape: AttentionShape, tensor: int) -> None:
+    """Refuse a head count that ``tensor`` does not divide, in one sentence."""
+    counts = [("query heads", shape.heads), ("key-value heads", shape.kv_heads)]
+    if shape.heads == shape.kv_heads:
+        counts = [("heads", shape.heads)]
+    for what, count in counts:
+        if count % tensor:
+            raise ValueError(
+                f"attention {name!r} has {count} {what}, which tensor={tensor} does not "
+                f"divide (each slice must hold whole heads); choose a tensor that divides "
+                f"{count}, or replicate it by leaving {shape.plan_text(name)} out of tp_plan."
+            )
+
+
+def split_attention(
+    module: nn.Module, *, rank: int, tensor: int, group: ProcessGroup | None
+) -> nn.Module:
+    """``module`` split by heads: the module to put in its place (itself, or its
+    replacement where its forward cannot run on a slice)."""
+    shape = attention_shape(module)
+    if shape.kind == "reference":
+        return HeadParallelAttention(module, rank=rank, tensor=tensor, group=group)
+    if shape.kind == "nanogpt":
+        return NanoGPTHeadParallel(module, rank=rank, tensor=tensor, group=group)
+    blocks = 3 if shape.kind == "packed" else 1
+    for child in shape.inputs:
+        layer = getattr(module, child)
+        setattr(
+            module,
+            child,
+            ColwiseLinear(layer, rank=rank, tensor=tensor, group=group, blocks=blocks),
+        )
+    layer = getattr(module, shape.output)
+    setattr(module, shape.output, RowwiseLinear(layer, rank=rank, tensor=tensor, group=group))
+    for attribute in HEAD_COUNTS:
+        if isinstance(getattr(module, attribute, None), int):
+            setattr(module, attribute, getattr(module, attribute) // tensor)
+    return module
