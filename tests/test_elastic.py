@@ -104,7 +104,7 @@ def test_two_kills_in_forward_and_all_reduce_lose_no_step(tmp_path, monkeypatch,
 
 @pytest.mark.slow
 def test_a_kill_in_the_optimizer_step_and_a_crash_of_the_lead(
-    tmp_path, monkeypatch, uninterrupted, capsys
+    tmp_path, monkeypatch, uninterrupted, capfd
 ):
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:3:2:optimizer,crash:0:4:backward")
     run_dir = tmp_path / "lead"
@@ -115,7 +115,7 @@ def test_a_kill_in_the_optimizer_step_and_a_crash_of_the_lead(
         (2, 0, [3]),
         (4, 1, [0]),
     ]
-    assert "injected crash at step 4 (backward)" in capsys.readouterr().err
+    assert "injected crash at step 4 (backward)" in capfd.readouterr().err  # its own stderr
     assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
 
 
@@ -166,8 +166,10 @@ def test_faults_name_a_launch_rank_a_step_and_a_phase(monkeypatch):
         Fault("kill", 1, 5, "start"),
     ]
     assert planned_faults(attempt=1) == []  # a restart runs clean
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:start:1")
+    assert planned_faults(attempt=1) == [Fault("kill", 1, 3, "start")]
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:sideways")
-    with pytest.raises(ValueError, match="kind:rank:step"):
+    with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
         planned_faults(attempt=0)
 
 

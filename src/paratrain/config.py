@@ -203,8 +203,9 @@ class RunSettings:
     elastic: bool = field(
         default=False,
         metadata={
-            "help": "dp: when a worker dies the others form a new group, redo the step in "
-            "flight over themselves and go on (same final weights)"
+            "help": "when a worker dies the others form a new group, redo the step in "
+            "flight over themselves and go on, same final weights (a strategy where every "
+            "worker holds the whole model)"
         },
     )
     min_devices: int = field(

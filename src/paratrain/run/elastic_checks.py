@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 
 from paratrain.config import ConfigError, TrainConfig
+from paratrain.parallel import strategy_class, strategy_names
 from paratrain.runtime.external_job import in_external_job
-
-ELASTIC_STRATEGIES = ("dp",)
 
 
 def check_elastic(config: TrainConfig, devices: int) -> None:
@@ -25,11 +24,13 @@ def check_elastic(config: TrainConfig, devices: int) -> None:
         if config.min_devices != 1:
             raise ConfigError("--min-devices applies to --elastic runs; add --elastic.")
         return
-    if config.strategy not in ELASTIC_STRATEGIES:
+    elastic = [name for name in strategy_names() if strategy_class(name).elastic]
+    if config.strategy not in elastic:
         raise ConfigError(
-            f"--elastic works with strategy dp only: under {config.strategy} a dead worker "
-            "takes state no other worker holds; use --strategy dp, or --max-restarts with "
-            "--checkpoint-every to resume from the newest checkpoint."
+            f"--elastic works with strategy {' or '.join(elastic)} only: under "
+            f"{config.strategy} a dead worker takes state no other worker holds; use "
+            f"--strategy {elastic[0]}, or --max-restarts with --checkpoint-every to resume "
+            "from the newest checkpoint."
         )
     if getattr(config, "tensor", 1) not in (None, 1):
         raise ConfigError(

@@ -1,15 +1,17 @@
 """Fault injection for tests and drills: a worker killed, or its step raising, at a chosen
 point of a chosen step.
 
-``PARATRAIN_FAULT`` holds comma-separated faults ``<kind>:<rank>:<step>[:<phase>]``:
+``PARATRAIN_FAULT`` holds comma-separated faults
+``<kind>:<rank>:<step>[:<phase>[:<attempt>]]``:
 ``kill`` SIGKILLs the worker (as the out-of-memory killer would), ``crash`` raises in its
 step. ``rank`` is the worker's launch rank (it keeps it when an elastic job renumbers the
 survivors). Phases, in the order a step meets them: ``start`` (before the step, the
 default), ``forward`` (the model's forward begins), ``backward`` (the first gradient is
 ready: the gradient of the last parameter), ``allreduce`` (the last gradient is ready: with
 buckets smaller than the model, the earlier buckets' all-reduces are in flight), and
-``optimizer`` (the optimizer is about to step: every all-reduce has completed). Faults fire
-on the first attempt only (a restart under ``--max-restarts`` runs clean).
+``optimizer`` (the optimizer is about to step: every all-reduce has completed). A fault
+fires in one attempt only, the first by default (a restart under ``--max-restarts`` then
+runs clean; ``attempt`` 1 fires in the first restart, for drills of several faults).
 """
 
 from __future__ import annotations
@@ -42,17 +44,17 @@ def launch_rank() -> int:
 
 
 def planned_faults(attempt: int) -> list[Fault]:
-    """This worker's faults from ``PARATRAIN_FAULT``, on the first attempt only."""
+    """This worker's faults from ``PARATRAIN_FAULT`` for this attempt."""
     text = os.environ.get("PARATRAIN_FAULT", "")
-    if attempt or not text:
-        return []
     faults = []
-    for entry in text.split(","):
+    for entry in filter(None, text.split(",")):
         kind, rank, step, *rest = entry.strip().split(":")
         phase = rest[0] if rest else "start"
-        if kind not in ("kill", "crash") or phase not in PHASES:
-            raise ValueError(f"PARATRAIN_FAULT entry {entry!r} is not kind:rank:step[:phase].")
-        if int(rank) == launch_rank():
+        if kind not in ("kill", "crash") or phase not in PHASES or len(rest) > 2:
+            raise ValueError(
+                f"PARATRAIN_FAULT entry {entry!r} is not kind:rank:step[:phase[:attempt]]."
+            )
+        if int(rank) == launch_rank() and int(rest[1] if len(rest) > 1 else 0) == attempt:
             faults.append(Fault(kind, int(rank), int(step), phase))
     return faults
 
