@@ -10,7 +10,9 @@ timed from outside:
   through a death without ``--elastic``): each restart starts every worker again from the
   newest checkpoint (the k-th kill fires in the k-th attempt, so each kill happens once).
 
-Measured: steps redone (train records of a step already logged: every step is logged),
+Measured: steps redone (steps computed more than once: elastic, each ``workers`` record's
+``steps_redone``, the step in flight or none; restarts, the train records of a step already
+logged, every step being logged, plus the step in flight at each kill, never logged),
 seconds lost per fault (elastic: each ``workers`` record's ``seconds_lost``, from the start
 of the interrupted step to the new group's engine holding the state; restarts: the run's
 extra wall time over the fault-free run, per fault, which also counts the relaunch), the
@@ -127,7 +129,7 @@ def main() -> None:
         (
             "elastic",
             elastic_s,
-            elastic["steps_redone"],
+            sum(c["steps_redone"] for c in elastic["changes"]),
             f"{statistics.median(lost):.2f}",
             f"{max(lost):.2f}",
             elastic["final_loss"],
@@ -136,7 +138,7 @@ def main() -> None:
         (
             f"restarts (ckpt/{args.checkpoint_every})",
             restart_s,
-            restart["steps_redone"],
+            restart["steps_redone"] + args.kills,
             f"{(restart_s - clean_s) / args.kills:.2f} (mean)",
             "-",
             restart["final_loss"],
@@ -149,7 +151,9 @@ def main() -> None:
     for name, wall, redone, median, most, loss, error in rows:
         print(f"{name:<22}{wall:>8.1f}{redone:>8}{median:>16}{most:>7}{loss:>12.5f}", end="")
         print(f"{error:>18.2e}")
-    print(f"weights bar (steps x batch x 2^-24): {bar:.2e}; changes: {elastic['changes']}")
+    print(f"weights bar (steps x batch x 2^-24): {bar:.2e}")
+    for change in elastic["changes"]:
+        print({k: v for k, v in change.items() if k not in ("kind", "time_s")})
     print(f"run folders under {root}")
 
 
