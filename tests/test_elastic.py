@@ -116,6 +116,9 @@ def test_a_kill_in_the_optimizer_step_and_a_crash_of_the_lead(
         (4, 1, [0]),
     ]
     assert "injected crash at step 4 (backward)" in capfd.readouterr().err  # its own stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    stamps = [json.loads(line)["time_s"] for line in lines]
+    assert stamps == sorted(stamps)  # the new lead's records stamp on from the run's start
     assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
 
 

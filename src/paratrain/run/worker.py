@@ -77,6 +77,9 @@ class WorkerRun:
     data_before: dict[str, Any]
     """The train loader's state before the current step's batch (what a checkpoint of the
     step before it records)."""
+    started: float = 0.0
+    """``time.monotonic()`` when the metrics file was opened (on every worker: a worker
+    that takes it over stamps on from there)."""
     elastic: ElasticWorker | None = None
     timed_samples: int = 0
     samples_per_s: float = 0.0
@@ -150,7 +153,9 @@ def _shrink(run: WorkerRun, members: list[int], step: int, started: float, attem
     lost = tuple(sorted(set(old) - set(members)))
     change = Change(step, len(old), len(members), lost, seconds_since(started), int(steps < step))
     if run.lead and run.metrics is None:  # rank 0 died: its successor writes the records
-        run.metrics = MetricsWriter(Path(run.run_dir) / "metrics.jsonl")
+        mirror = TensorBoardMirror(run.run_dir) if run.config.tensorboard else None
+        path = Path(run.run_dir) / "metrics.jsonl"
+        run.metrics = MetricsWriter(path, mirror=mirror, start=run.started)
     if run.lead:
         console_line(change.line(), run.bar)
         run.metrics.write("workers", **change.record())
@@ -210,9 +215,10 @@ def setup(
             eval_loader.load_state_dict(saved_eval)
         first = engine.steps_taken + 1
     metrics = None
+    started = time.monotonic()
     if lead:
         mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
-        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror)
+        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror, start=started)
         metrics.write(
             "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
         )
@@ -238,6 +244,7 @@ def setup(
         timed_from=time.perf_counter(),
         bundle=bundle,
         data_before=train_loader.state_dict(),
+        started=started,
         elastic=elastic,
     )
 
