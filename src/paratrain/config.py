@@ -200,6 +200,17 @@ class RunSettings:
     max_restarts: int = field(
         default=0, metadata={"help": "restarts from the last checkpoint after a worker fails"}
     )
+    elastic: bool = field(
+        default=False,
+        metadata={
+            "help": "when a worker dies the others form a new group, redo the step in "
+            "flight over themselves and go on, same final weights (a strategy where every "
+            "worker holds the whole model)"
+        },
+    )
+    min_devices: int = field(
+        default=1, metadata={"help": "with --elastic: stop (last step saved) below this many"}
+    )
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -215,6 +226,7 @@ class RunSettings:
             ("warmup_steps", 0),
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
+            ("min_devices", 1),
             ("n_layer", 1),
             ("n_head", 1),
             ("n_embd", 1),

@@ -16,6 +16,7 @@ from paratrain.cli.parser import build_parser
 from paratrain.cli.report import report_command
 from paratrain.cli.train import train_command
 from paratrain.config import ConfigError
+from paratrain.runtime.elastic import ElasticShortfall
 from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
@@ -27,7 +28,8 @@ __all__ = ["build_parser", "main"]
 def _one_sentence(error: WorkerError) -> str | None:
     """The message of a worker's error that is one sentence for the user (out of memory,
     a checkpoint the disk refused), if that is what failed."""
-    markers = [f"{kind.__name__}: " for kind in (DeviceOutOfMemory, CheckpointWriteError)]
+    kinds = (DeviceOutOfMemory, CheckpointWriteError, ElasticShortfall)
+    markers = [f"{kind.__name__}: " for kind in kinds]
     for line in reversed(error.details.splitlines()):
         for marker in markers:
             if marker in line:

@@ -44,6 +44,11 @@ class Strategy:
     default group (a lost worker would hang it), and the run's throughput is the sum of the
     workers' own."""
 
+    elastic: ClassVar[bool] = False
+    """Whether ``--elastic`` may go on without a dead worker: only where every worker holds
+    the whole model and optimizer state (see ``run/elastic``); elsewhere a dead worker
+    takes state no other holds."""
+
     default: ClassVar[bool] = False
     """Whether a run that names no strategy takes this one (exactly one strategy does)."""
 

@@ -24,11 +24,14 @@ __all__ = [
 class MetricsWriter:
     """Appends records to ``path``, each stamped with seconds since the writer started."""
 
-    def __init__(self, path: str | Path, mirror: Any = None) -> None:
+    def __init__(self, path: str | Path, mirror: Any = None, start: float | None = None) -> None:
+        """``start``: the ``time.monotonic()`` the stamps count from (default: now); a
+        worker that takes over the file (elastic, the lead died) passes its run's start, so
+        the stamps go on rather than restart at 0."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = self.path.open("a", buffering=1)
-        self._start = time.monotonic()
+        self._start = time.monotonic() if start is None else start
         self._mirror = mirror
         """Another sink that sees every record too (``TensorBoardMirror``), or None."""
 

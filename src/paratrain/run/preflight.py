@@ -27,6 +27,7 @@ from paratrain.parallel import strategy_class, strategy_names
 from paratrain.parallel.fit_advice import advice
 from paratrain.reports.tensorboard_log import check_tensorboard
 from paratrain.run.build import run_spec
+from paratrain.run.elastic_checks import check_elastic
 from paratrain.runtime.external_job import check_job_devices
 from paratrain.runtime.launch import (
     BACKENDS,
@@ -94,6 +95,7 @@ def check_layout(config: TrainConfig) -> int:
     model (``Engine.check_run``: degrees, batch splits); returns the device count."""
     devices = config.devices or default_device_count()
     check_backend(config, devices)
+    check_elastic(config, devices)
     _ask_strategy(config, devices)
     return devices
 

@@ -7,9 +7,7 @@ thing: start fresh workers and load the newest complete checkpoint.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,6 @@ from paratrain.checkpoints.model_state import mismatch
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import GlobalBatchLoader
 from paratrain.reports.metrics_file import MetricsWriter, read_metrics
-from paratrain.runtime import comm
 from paratrain.runtime.launch import WorkerError
 
 
@@ -129,14 +126,6 @@ def launch_with_restarts(
                 f"(restart {attempt} of {config.max_restarts}).\n{error.details.strip()}",
                 file=sys.stderr,
             )
-
-
-def inject_fault(step: int, attempt: int) -> None:
-    """Fault injection for tests and drills: PARATRAIN_FAULT="kill:<rank>:<step>" SIGKILLs
-    that worker at that step, on the first attempt only (a restart then runs clean)."""
-    fault = os.environ.get("PARATRAIN_FAULT", "")
-    if attempt == 0 and fault == f"kill:{comm.rank()}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def checkpoint_metadata(

@@ -27,11 +27,22 @@ from paratrain.reports.metrics_file import MetricsWriter
 from paratrain.reports.tensorboard_log import TensorBoardMirror
 from paratrain.run.build import load_data, make_optimizer, model_options, strategy_options
 from paratrain.run.console import console_line, epoch_fields, progress_bar
+from paratrain.run.elastic import (
+    Change,
+    ElasticWorker,
+    attempt_step,
+    engine_state,
+    regroup,
+    seconds_since,
+    stop_short,
+    take_furthest_state,
+)
 from paratrain.run.evaluation import EvalResult, evaluate, running_accuracy
+from paratrain.run.faults import arm_faults, inject_fault, launch_rank
 from paratrain.run.length import RunLength, eval_batches, evaluates_at, run_length
 from paratrain.run.lr_schedule import lr_factor, set_learning_rate
 from paratrain.run.metrics import ClassificationSums, TokenSums, metric_for
-from paratrain.run.resume import checkpoint_metadata, inject_fault, prune
+from paratrain.run.resume import checkpoint_metadata, prune
 from paratrain.runtime import comm
 from paratrain.runtime.device_oom import device_errors_told
 from paratrain.runtime.devices import peak_memory_bytes
@@ -62,6 +73,15 @@ class WorkerRun:
     """Whether the learning rate follows a schedule (and there is an optimizer to set)."""
     train_tally: Tally
     timed_from: float
+    bundle: Any
+    """The dataset bundle, kept to rebuild the engine over a new group (elastic)."""
+    data_before: dict[str, Any]
+    """The train loader's state before the current step's batch (what a checkpoint of the
+    step before it records)."""
+    started: float = 0.0
+    """``time.monotonic()`` when the metrics file was opened (on every worker: a worker
+    that takes it over stamps on from there)."""
+    elastic: ElasticWorker | None = None
     timed_samples: int = 0
     samples_per_s: float = 0.0
     stats: StepStats | None = None
@@ -76,31 +96,88 @@ def train_worker(
     config: TrainConfig, run_dir: str, resume_from: str | None = None, attempt: int = 0
 ) -> dict[str, Any]:
     """The loop every worker runs; rank 0 also writes metrics; all write checkpoints."""
-    run = setup(config, run_dir, resume_from)
+    run = setup(config, run_dir, resume_from, attempt)
     notice = TerminationNotice()  # SIGTERM: finish this step, checkpoint, return
     preempted_at = None
     remaining = run.length.steps - run.first + 1
     for step, (inputs, targets) in enumerate(batches(run.train_loader, remaining), run.first):
         inject_fault(step, attempt)
-        take_step(run, step, inputs, targets)
-        log_step(run, step)
-        engine = run.engine
-        if step < run.length.steps and notice.agreed(
-            independent=engine.independent_workers, device=engine.device
-        ):
+        if run.elastic is None:
+            stop = _step(run, step, inputs, targets, notice)
+        else:
+            stop = _elastic_step(run, step, inputs, targets, notice, attempt)
+        run.data_before = run.train_loader.state_dict()
+        if stop:
             preempted_at = step
             break
     notice.close()
     return finish(run, preempted_at, restarts=attempt)
 
 
-def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerRun:
-    """The engine, the loaders, the resumed state, the metrics file and the bar."""
+def _step(run: WorkerRun, step: int, inputs: Any, targets: Any, notice: Any) -> bool:
+    """The step, its log, and whether the workers agreed to stop after it (SIGTERM)."""
+    take_step(run, step, inputs, targets)
+    log_step(run, step)
+    engine = run.engine
+    return step < run.length.steps and notice.agreed(
+        independent=engine.independent_workers, device=engine.device
+    )
+
+
+def _elastic_step(
+    run: WorkerRun, step: int, inputs: Any, targets: Any, notice: Any, attempt: int
+) -> bool:
+    """``_step``, again over the survivors each time a peer dies in it, until some worker
+    has completed it (see ``run/elastic``)."""
+    while True:
+        started = time.perf_counter()
+        done, value = attempt_step(lambda: _step(run, step, inputs, targets, notice), run.elastic)
+        if done:
+            return value
+        _shrink(run, value, step, started, attempt)
+        if run.engine.steps_taken >= step:  # a survivor had finished it: nothing to redo
+            return False
+
+
+def _shrink(run: WorkerRun, members: list[int], step: int, started: float, attempt: int) -> None:
+    """Go on over ``members``: the old engine dropped (its group with it), a new group and
+    engine, the furthest survivor's state, the record; below the minimum, save and stop."""
+    old = run.elastic.generation.members
+    own = engine_state(run.engine)
+    run.train_tally.close()
+    run.engine = run.train_tally = None  # the last references to the old group
+    generation = regroup(run.elastic, members)
+    run.engine = build_engine(run.config, run.bundle)
+    arm_faults(run.engine, attempt)
+    steps = take_furthest_state(run.engine, own)
+    run.train_tally = run.engine.tally(run.metric)
+    lost = tuple(sorted(set(old) - set(members)))
+    change = Change(step, len(old), len(members), lost, seconds_since(started), int(steps < step))
+    if run.lead and run.metrics is None:  # rank 0 died: its successor writes the records
+        mirror = TensorBoardMirror(run.run_dir) if run.config.tensorboard else None
+        path = Path(run.run_dir) / "metrics.jsonl"
+        run.metrics = MetricsWriter(path, mirror=mirror, start=run.started)
+    if run.lead:
+        console_line(change.line(), run.bar)
+        run.metrics.write("workers", **change.record())
+    if generation.short:
+        data = run.data_before if steps < step else run.train_loader.state_dict()
+        metadata = {**checkpoint_metadata(run.config, run.train_loader, run.eval_loader)}
+        saved = run.engine.save_checkpoint(
+            Path(run.run_dir) / "checkpoints" / f"step-{steps:08d}",
+            metadata={**metadata, "data": data},
+        )
+        if run.metrics:
+            run.metrics.close()
+        stop_short(change, run.elastic.min_devices, Path(saved), steps)
+
+
+def build_engine(config: TrainConfig, bundle: Any) -> Engine:
+    """The model and the engine over the current process group."""
     torch.manual_seed(config.seed)
-    bundle = load_data(config)
     model = build_model(config.model, **model_options(config, bundle))
     options = strategy_options(config, bundle)
-    engine = paratrain.setup(
+    return paratrain.setup(
         model,
         optimizer=make_optimizer(config),
         loss_fn=loss_for(config.model),
@@ -108,6 +185,18 @@ def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerR
         gradient_accumulation=config.gradient_accumulation,
         **options,
     )
+
+
+def setup(
+    config: TrainConfig, run_dir: str, resume_from: str | None, attempt: int = 0
+) -> WorkerRun:
+    """The engine, the loaders, the resumed state, the metrics file and the bar."""
+    elastic = None
+    if config.elastic:  # marked before any step: a death from then on is survived
+        elastic = ElasticWorker.join(launch_rank(), config.min_devices, config.timeout)
+    bundle = load_data(config)
+    engine = build_engine(config, bundle)
+    arm_faults(engine, attempt)
     lead = comm.rank() == 0
     length = run_length(config, len(bundle.train))
     metric = metric_for(bundle.kind)
@@ -127,9 +216,10 @@ def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerR
             eval_loader.load_state_dict(saved_eval)
         first = engine.steps_taken + 1
     metrics = None
+    started = time.monotonic()
     if lead:
         mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
-        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror)
+        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror, start=started)
         metrics.write(
             "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
         )
@@ -153,6 +243,10 @@ def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerR
         scheduled=scheduled,
         train_tally=engine.tally(metric),  # every training prediction, until closed
         timed_from=time.perf_counter(),
+        bundle=bundle,
+        data_before=train_loader.state_dict(),
+        started=started,
+        elastic=elastic,
     )
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.runtime.devices import process_group_backend
+from paratrain.runtime.elastic import ElasticReferee
 from paratrain.runtime.external_job import (
     CHILD_FLAG,
     check_job_devices,
@@ -193,6 +194,7 @@ def _collect(processes: list, results_queue, world_size: int, store=None) -> lis
     lost: dict[int, str] = {}
     first_failure_at: float | None = None
     exited_without_result: dict[int, float] = {}
+    referee = ElasticReferee(world_size)
     while len(results) + len(lost) < world_size:
         if first_failure_at is not None and time.monotonic() - first_failure_at > 1.0:
             break
@@ -206,6 +208,8 @@ def _collect(processes: list, results_queue, world_size: int, store=None) -> lis
                 for rank in sorted(deaths):
                     lost[rank] = failures.pop(rank)
                     print(f"paratrain: {lost[rank]} The job goes on without it.", file=sys.stderr)
+            elif deaths and store is not None:
+                referee.settle(store, deaths, failures, lost)
             if failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
             continue

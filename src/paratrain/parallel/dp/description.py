@@ -31,6 +31,7 @@ class DataParallelStrategy(ReplicaStrategy):
     options = (BUCKET_MB, RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, TENSOR)
     default = True  # the strategy most runs want: the model fits, the batch splits
     advice_rank = 0
+    elastic = True  # every replica holds everything (without --tensor: see elastic_checks)
 
     @classmethod
     def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
@@ -58,6 +59,7 @@ class TensorParallelStrategy(DataParallelStrategy):
     engine = TensorParallelEngine
     tensor_by_default = True
     default = False
+    elastic = False  # each worker holds a slice of the split layers only
     advice_rank = None  # its share depends on the plan: the advice suggests the others
 
     @classmethod

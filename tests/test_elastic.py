@@ -1,0 +1,219 @@
+"""Elastic dp: a worker dies (killed, or its step raises) and the run loses no step.
+
+The pure tests cover the pieces (the refusals, the fault plan, the record, the launcher's
+referee); three launches cover the whole path: two kills in one run (4 -> 3 -> 2 workers,
+in forward and during the all-reduce), a kill in the optimizer step plus a crash of the
+lead worker, and a kill that leaves fewer than ``--min-devices``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from paratrain.checkpoints.format import Checkpoint, load_model_state
+from paratrain.cli import main
+from paratrain.config import ConfigError, TrainConfig
+from paratrain.run.elastic import Change
+from paratrain.run.elastic_checks import check_elastic
+from paratrain.run.faults import Fault, planned_faults
+from paratrain.runtime.elastic import (
+    ElasticReferee,
+    is_communication_error,
+    mark_elastic,
+)
+from tests.test_parity_dp import relative_error
+
+STEPS = 6
+GLOBAL_BATCH = 24  # splits evenly over 2, 3 and 4 workers
+TOLERANCE = STEPS * GLOBAL_BATCH * 2.0**-24
+"""Final weights of a run that lost workers against the uninterrupted 4-worker run: 8.6e-6.
+
+Derivation (as ``test_parity_dp.TOLERANCE``): both runs take the same global batches and
+the same fp32 operations; only the split changes (24 rows over 3 or 2 replicas instead of
+4), which reorders the sum of the 24 per-sample gradient terms and scales the shares by
+1/3 or 1/2 instead of 1/4. Reordering a sum of n terms moves it by at most (n - 1) u,
+u = 2^-24, so a step's gradient moves by at most 24 u relative; Adam's update is invariant
+to the gradient's scale and at most the size of the parameters (lr 3e-3), so each step
+adds at most 24 u to the parameters' relative distance, and 6 steps at most 6 * 24 u. A
+lost or doubled share, a skipped step or a step taken twice moves them O(lr) = 1e-3.
+"""
+
+BASE = [
+    "train",
+    "--no-progress",
+    "--model",
+    "mlp",
+    "--dataset",
+    "synthetic",
+    "--hidden",
+    "32",
+    "--depth",
+    "1",
+    "--strategy",
+    "dp",
+    "--global-batch",
+    str(GLOBAL_BATCH),
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--steps",
+    str(STEPS),
+    "--timeout",
+    "60",
+    "--bucket-mb",
+    "0.001",  # a bucket per tensor: the earlier buckets are in flight when the last is ready
+]
+
+
+def train(run_dir: Path, *flags: str) -> int:
+    return main([*BASE, "--run-dir", str(run_dir), *flags])
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("elastic") / "whole"
+    assert train(run_dir, "--devices", "4") == 0
+    return load_model_state(run_dir / "final")
+
+
+@pytest.mark.slow
+def test_two_kills_in_forward_and_all_reduce_lose_no_step(tmp_path, monkeypatch, uninterrupted):
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:2:2:forward,kill:1:4:allreduce")
+    run_dir = tmp_path / "two"
+    assert train(run_dir, "--devices", "4", "--elastic", "--min-devices", "2") == 0
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [
+        (2, 4, 3),
+        (4, 3, 2),
+    ]
+    assert [c["lost_ranks"] for c in changes] == [[2], [1]]
+    assert [c["steps_redone"] for c in changes] == [1, 1]  # both died before any step ended
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_kill_in_the_optimizer_step_and_a_crash_of_the_lead(
+    tmp_path, monkeypatch, uninterrupted, capfd
+):
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:3:2:optimizer,crash:0:4:backward")
+    run_dir = tmp_path / "lead"
+    assert train(run_dir, "--devices", "4", "--elastic", "--min-devices", "2") == 0
+    changes = records(run_dir, "workers")
+    # worker 3 died after every all-reduce of step 2: the others had finished step 2
+    assert [(c["step"], c["steps_redone"], c["lost_ranks"]) for c in changes] == [
+        (2, 0, [3]),
+        (4, 1, [0]),
+    ]
+    assert "injected crash at step 4 (backward)" in capfd.readouterr().err  # its own stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    stamps = [json.loads(line)["time_s"] for line in lines]
+    assert stamps == sorted(stamps)  # the new lead's records stamp on from the run's start
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_fewer_than_min_devices_ends_with_one_sentence_and_the_last_step_saved(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:forward")
+    run_dir = tmp_path / "short"
+    assert train(run_dir, "--devices", "2", "--elastic", "--min-devices", "2") == 1
+    err = capsys.readouterr().err
+    assert "fewer than --min-devices 2; the last completed step (2) is saved" in err
+    assert "Traceback" not in err.split("paratrain: worker(s)")[-1]
+    assert Checkpoint(run_dir / "checkpoints" / "step-00000002").step == 2
+
+
+def config(**changes) -> TrainConfig:
+    return TrainConfig(**{"model": "mlp", "dataset": "synthetic", "strategy": "dp", **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "devices", "words"),
+    [
+        ({"elastic": True, "strategy": "zero2"}, 4, "dp only: under zero2"),
+        ({"elastic": True, "strategy": "pipeline"}, 4, "dp only: under pipeline"),
+        ({"elastic": True, "global_batch": 32, "min_devices": 2}, 4, "split evenly over 3"),
+        ({"elastic": True, "min_devices": 5, "global_batch": 60}, 4, "between 1 and the 4"),
+        ({"elastic": True, "precision": "fp16", "global_batch": 12}, 4, "loss scale"),
+        ({"min_devices": 2}, 4, "add --elastic"),
+    ],
+)
+def test_what_elastic_cannot_do_exactly_is_refused_in_one_sentence(changes, devices, words):
+    with pytest.raises(ConfigError, match=words) as refused:
+        check_elastic(config(**changes), devices)
+    assert str(refused.value).count(". ") == 0 and str(refused.value).endswith(".")
+
+
+def test_a_batch_that_splits_over_every_count_is_accepted():
+    check_elastic(config(elastic=True, global_batch=24, min_devices=2), 4)
+    check_elastic(config(elastic=True, global_batch=12, gradient_accumulation=2), 2)
+
+
+def test_faults_name_a_launch_rank_a_step_and_a_phase(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:forward, crash:0:2, kill:1:5")
+    assert planned_faults(attempt=0) == [
+        Fault("kill", 1, 3, "forward"),
+        Fault("kill", 1, 5, "start"),
+    ]
+    assert planned_faults(attempt=1) == []  # a restart runs clean
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:start:1")
+    assert planned_faults(attempt=1) == [Fault("kill", 1, 3, "start")]
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:sideways")
+    with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
+        planned_faults(attempt=0)
+
+
+def test_a_change_of_worker_count_is_one_record_and_one_line():
+    change = Change(step=7, old=4, new=3, lost=(2,), seconds_lost=1.2345, steps_redone=1)
+    assert change.record() == {
+        "step": 7,
+        "old_workers": 4,
+        "new_workers": 3,
+        "lost_ranks": [2],
+        "seconds_lost": 1.234,
+        "steps_redone": 1,
+    }
+    assert change.line() == (
+        "paratrain: worker 2 lost in step 7; 3 of 4 workers go on (step 7 redone, 1.23 s lost)."
+    )
+
+
+def test_the_referee_posts_each_generation_and_stops_below_the_minimum(capsys):
+    store = dist.HashStore()
+    referee = ElasticReferee(world_size=3)
+    failures = {1: "worker process 1 was killed by signal SIGKILL (no traceback)."}
+    lost: dict[int, str] = {}
+    referee.settle(store, {1}, failures, lost)  # not elastic: a failure stays a failure
+    assert failures and not lost
+    mark_elastic(store, 2)
+    referee.settle(store, {1}, failures, lost)
+    assert not failures and set(lost) == {1}
+    assert json.loads(store.get("paratrain/elastic/members/1")) == [0, 2]
+    assert not referee.stopping
+    failures = {0: "worker process 0 exited with code 1 without a result."}
+    referee.settle(store, {0}, failures, lost)
+    assert json.loads(store.get("paratrain/elastic/members/2")) == [2]
+    assert referee.stopping
+    err = capsys.readouterr().err
+    assert "2 worker(s) remain; they go on." in err
+    assert "1 worker(s) remain; fewer than the minimum 2 are left" in err
+
+
+def test_only_a_failed_collective_is_a_peers_death():
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert is_communication_error(reset)
+    assert not is_communication_error(RuntimeError("injected crash at step 4 (backward)"))
+    assert not is_communication_error(ValueError("Connection reset, but not a collective"))
