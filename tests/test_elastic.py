@@ -217,3 +217,15 @@ def test_only_a_failed_collective_is_a_peers_death():
     assert is_communication_error(reset)
     assert not is_communication_error(RuntimeError("injected crash at step 4 (backward)"))
     assert not is_communication_error(ValueError("Connection reset, but not a collective"))
+
+
+def test_elastic_on_gpu_workers_is_refused_until_it_has_run_there(monkeypatch):
+    """Rebuilding a group after a death has run over gloo only; a GPU job (NCCL) is told
+    which flag gets it the tested path, before any worker starts."""
+    from paratrain.config import ConfigError, TrainConfig
+    from paratrain.run import elastic_checks
+
+    monkeypatch.setattr(elastic_checks, "resolve_backend", lambda backend, devices: "nccl")
+    config = TrainConfig(strategy="dp", elastic=True, min_devices=2, global_batch=24)
+    with pytest.raises(ConfigError, match="add --backend gloo"):
+        elastic_checks.check_elastic(config, 4)

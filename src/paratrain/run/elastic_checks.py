@@ -16,6 +16,7 @@ import math
 from paratrain.config import ConfigError, TrainConfig
 from paratrain.parallel import strategy_class, strategy_names
 from paratrain.runtime.external_job import in_external_job
+from paratrain.runtime.launch import resolve_backend
 
 
 def check_elastic(config: TrainConfig, devices: int) -> None:
@@ -41,6 +42,12 @@ def check_elastic(config: TrainConfig, devices: int) -> None:
         raise ConfigError(
             "--elastic is for local workers; under torchrun use its own --nnodes MIN:MAX "
             "with --max-restarts and --checkpoint-every."
+        )
+    if resolve_backend(config.backend, devices) == "nccl":
+        raise ConfigError(
+            "--elastic has run only on CPU workers over gloo so far (a dead GPU worker's "
+            "NCCL communicator is not yet rebuilt); add --backend gloo, or use --max-restarts "
+            "with --checkpoint-every on GPUs."
         )
     if config.precision == "fp16":
         raise ConfigError(
