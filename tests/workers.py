@@ -233,6 +233,26 @@ def pipeline_parity_worker(cases: list[tuple], options: list[dict]) -> list[tupl
     ]
 
 
+def interleaved_worker(
+    cases: list[tuple], options: list[dict], loads: list[dict]
+) -> list[tuple[dict, list, list[int], int, dict]]:
+    """Each case under the pipeline with its options: final state, losses, balance, virtual
+    stages in the layout; and the state read back after loading ``loads[i]`` (a state saved
+    under another engine) into a fresh engine with the same options."""
+    out = []
+    for case, option, saved in zip(cases, options, loads, strict=True):
+        engine = parity_engine("pipeline", *case, **option)
+        losses = [engine.train_step(x, y).loss for x, y in parity_batches(case[0])]
+        layout = engine.layout()
+        fresh = parity_engine("pipeline", *case, **option)
+        fresh.load_state_dict(saved)
+        reloaded = fresh.state_dict()
+        out.append(
+            (engine.state_dict(), losses, layout["balance"], layout["virtual_stages"], reloaded)
+        )
+    return out
+
+
 def activation_peaks_worker(settings: list[dict]) -> list[int]:
     """Peak activation bytes of this stage for each pipeline setting (gpt, 4 steps)."""
     import paratrain

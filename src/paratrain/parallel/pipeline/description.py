@@ -7,6 +7,7 @@ recompute, the tensor plan), so a run that cannot be cut is refused before launc
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +18,21 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import RunSpec, given
 from paratrain.parallel.pipeline import cost as pipeline_cost
 from paratrain.parallel.pipeline import timeline_report
+from paratrain.parallel.pipeline.chunks import refuse_for_virtual_stages
 from paratrain.parallel.pipeline.engine import PipelineEngine
 from paratrain.parallel.pipeline.options import (
     BALANCE,
     BALANCE_BY,
     MICRO_BATCHES,
     OPTIONS,
+    SCHEDULE,
     SPLIT_POINTS,
     STAGES,
+    VIRTUAL_STAGES,
     micro_batches_per_replica,
 )
 from paratrain.parallel.pipeline.partition import check_stages, validate_balance
+from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
@@ -49,9 +54,10 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
 
     @classmethod
     def layout(cls, devices: int, options: dict[str, Any]) -> Layout:
-        return Layout.over(
+        layout = Layout.over(
             devices, stages=given(options, STAGES), tensor=cls.tensor_degree(devices, options)
         )
+        return replace(layout, virtual_stages=given(options, VIRTUAL_STAGES))
 
     @classmethod
     def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
@@ -64,9 +70,17 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         if run.build_model is None:
             return
         layout = cls.layout(run.devices, run.options)
-        stages, balance = layout.stages, run.options.get(BALANCE.name)
+        chunks = layout.virtual_stages
+        build_schedule(  # refuses a schedule the stages and micro-batches cannot run
+            given(run.options, SCHEDULE),
+            layout.stages,
+            cls.micro_batches_per_step(run.options),
+            chunks,
+        )
+        stages, balance = layout.stages * chunks, run.options.get(BALANCE.name)
         split_points = run.options.get(SPLIT_POINTS.name)
         model = run.build_model()
+        refuse_for_virtual_stages(model, chunks, tensor=layout.tensor)
         if layout.tp_enabled:
             refuse_tensor_for_split_points(model)
             cls.check_tensor_plan(run, layout.tensor)

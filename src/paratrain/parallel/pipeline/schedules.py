@@ -38,6 +38,7 @@ __all__ = [
     "ScheduleDeadlock",
     "ScheduleError",
     "Timed",
+    "build_schedule",
     "clock_table",
     "get_schedule",
     "gpipe",
@@ -172,6 +173,20 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
             f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}."
         )
     return SCHEDULES[name]
+
+
+def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedule:
+    """The action lists of schedule ``name`` with ``chunks`` virtual stages per device:
+    ``1f1b`` over several chunks is interleaved 1F1B; GPipe has no interleaved form here."""
+    build = get_schedule(name)
+    if chunks == 1:
+        return build(stages, micro_batches)
+    if build is not one_f_one_b:
+        raise ScheduleError(
+            f"virtual stages run the interleaved 1F1B schedule, not {name!r}; use "
+            "schedule='1f1b' with virtual_stages > 1, or virtual_stages=1."
+        )
+    return interleaved_1f1b(stages, micro_batches, chunks)
 
 
 @dataclass(frozen=True)
