@@ -83,7 +83,8 @@ from paratrain.parallel.pipeline.partition import (
     validate_balance,
 )
 from paratrain.parallel.pipeline.runner import ScheduleRunner
-from paratrain.parallel.pipeline.schedules import build_schedule
+from paratrain.parallel.pipeline.schedules import build_schedule, splits_backward
+from paratrain.parallel.pipeline.split_backward import LayerTape, refuse_for_split_backward
 from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
@@ -199,6 +200,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
         self.schedule_name = schedule
         self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
+        self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
+        if self.split_backward:
+            refuse_for_split_backward(model, schedule, recompute=recompute, tensor=tensor)
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerPieces | None = None
@@ -540,8 +544,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             for leaf in _floating_leaves(x):  # their gradients go back to the stage before
                 leaf.requires_grad_(True)
         start = time.perf_counter()
+        tape = LayerTape() if self.split_backward else None
         with self.memory.forward(_key(m, c)), self.precision.autocast(self._device):
-            y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs)
+            y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs, tape=tape)
             if chunk.last:
                 loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
                 loss_scale = self.precision.loss_factor()
@@ -549,7 +554,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         if not chunk.last:
             chunk.link.send_activation(y, m)
             chunk.link.expect_gradient(m, y)
-        held[m, c] = (x, y)
+        held[m, c] = (x, y, tape)
         return start
 
     def _backward(self, m, c, held, *, last: bool) -> float:
@@ -559,7 +564,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         gradient all-reduce across replicas, whose extra slot averages that loss too.
         """
         chunk = self.chunks[c]
-        x, y = held.pop((m, c))
+        x, y, tape = held[m, c] if self.split_backward else held.pop((m, c))
         grad = None if chunk.last else chunk.link.recv_gradient(m)
         if last:
             self._step_loss = self._pass_loss_back(self._totals.contribution)
@@ -567,20 +572,52 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
                 self.reducer.arm(extras=self._step_loss)
         start = time.perf_counter()
         with self.memory.recording(_key(m, c)):
-            if chunk.last:
+            pairs = None
+            if not chunk.last:
+                leaves = zip(_floating_leaves(y), grad, strict=True)
+                pairs = [(out, g) for out, g in leaves if out.requires_grad]
+            if tape is not None:
+                self._backward_input(tape, x, y, pairs)
+            elif pairs is None:
                 if y.requires_grad:
                     y.backward()
-            else:
-                pairs = [
-                    (out, g)
-                    for out, g in zip(_floating_leaves(y), grad, strict=True)
-                    if out.requires_grad
-                ]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self.memory.release(_key(m, c))
+            elif pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if tape is None:
+            self.memory.release(_key(m, c))
         if not chunk.first:
             chunk.link.send_gradient(x, m)
+        return start
+
+    @staticmethod
+    def _backward_input(tape: LayerTape, x: Any, y: Any, pairs: list | None) -> None:
+        """B of a split backward: the input's gradients into the received tensors' ``.grad``
+        (which ``send_gradient`` reads); the weights' wait for W (``pairs``: the outputs'
+        gradients, None on the last chunk, whose ``y`` is the loss)."""
+        if pairs is None:
+            grads = tape.backward_input_from_loss(y) if y.requires_grad else []
+        else:
+            by_output = {id(out): g for out, g in pairs}
+            grads = tape.backward_input([by_output[id(out)] for out in tape.outputs])
+        received = [] if x is None else [t for t in _floating_leaves(x) if t.requires_grad]
+        for leaf, grad in zip(received, grads, strict=False):
+            leaf.grad = grad
+
+    def _weight(self, m: int, c: int, held, *, last: bool) -> float:
+        """W of a split backward: micro-batch ``m``'s weight gradients through chunk ``c``.
+
+        The step's last W passes the step's loss towards stage 0 and arms the replicas'
+        reduction after its gradients exist (each layer's W is a backward of its own, so
+        a Parameter used by two layers would count down its bucket twice while armed)."""
+        _, _, tape = held.pop((m, c))
+        if last:
+            self._step_loss = self._pass_loss_back(self._totals.contribution)
+        start = time.perf_counter()
+        with self.memory.recording(_key(m, c)):
+            tape.backward_weight()
+        self.memory.release(_key(m, c))
+        if last and self.reducer is not None:
+            self.reducer.arm(extras=self._step_loss)
         return start
 
     def _clip(self) -> None:
@@ -609,7 +646,15 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         """Every stage of a model cut at split points runs its forward from the inputs."""
         return self.mesh.is_first or self.named is not None
 
-    def _run_stage(self, x: Any, chunk: Chunk, *, recompute: bool, inputs: Any = None) -> Any:
+    def _run_stage(
+        self,
+        x: Any,
+        chunk: Chunk,
+        *,
+        recompute: bool,
+        inputs: Any = None,
+        tape: LayerTape | None = None,
+    ) -> Any:
         """The chunk's layers on ``x``: the first stage calls them as the whole model is
         called (a dict batch as keywords, a tuple as arguments; see ``inputs``); a later
         stage passes what it received as the one input, as ``nn.Sequential`` does between
@@ -619,6 +664,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         if self.named is not None:
             return self.named.run(inputs, None if self.mesh.is_first else x)
         args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
+        if tape is not None:  # layer by layer, for a backward split into B and W
+            return tape.run(chunk.module, args, kwargs)
         if recompute:
             return checkpoint(chunk.module, *args, use_reentrant=False, **kwargs)
         return chunk.module(*args, **kwargs)
@@ -644,7 +691,7 @@ class _RoundPasses:
 
     def __init__(self, engine: PipelineEngine, micro_in: Any, micro_tgt: Any, scale: float):
         self.engine, self.micro_in, self.micro_tgt, self.scale = engine, micro_in, micro_tgt, scale
-        self.held: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.held: dict[tuple[int, int], tuple[Any, Any, LayerTape | None]] = {}
 
     def forward(self, micro: int, chunk: int) -> float:
         return self.engine._forward(
@@ -653,3 +700,6 @@ class _RoundPasses:
 
     def backward(self, micro: int, chunk: int, *, last: bool) -> float:
         return self.engine._backward(micro, chunk, self.held, last=last)
+
+    def weight(self, micro: int, chunk: int, *, last: bool) -> float:
+        return self.engine._weight(micro, chunk, self.held, last=last)

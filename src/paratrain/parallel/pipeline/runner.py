@@ -9,9 +9,12 @@ knows nothing of the order: a new schedule is a new list (registered in
 
 The engine supplies the passes (``StagePasses``): run micro-batch ``m`` forward through
 this stage, or backward, where the step's final backward (``last``) also carries the
-step's loss and arms the replicas' gradient reduction. An interleaved schedule gives a
-worker several chunks (virtual stages); each action names its chunk, and each chunk has
-its own link, the last chunk's carrying the step's loss back towards stage 0.
+step's loss and arms the replicas' gradient reduction. A zero-bubble schedule splits the
+backward: ``B`` then computes the input's gradient only and ``W`` the weights'; the
+step's last gradient is then a W's, so the last W is the one marked ``last``. An
+interleaved schedule gives a worker several chunks (virtual stages); each action names
+its chunk, and each chunk has its own link, the last chunk's carrying the step's loss
+back towards stage 0.
 """
 
 from __future__ import annotations
@@ -21,9 +24,14 @@ from typing import Any, Protocol
 
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.pipeline.p2p import StageLink
-from paratrain.parallel.pipeline.schedules import Action, Schedule, ScheduleError
+from paratrain.parallel.pipeline.schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    splits_backward,
+)
 
-EVENT_KINDS = {"F": "forward", "B": "backward"}
+EVENT_KINDS = {"F": "forward", "B": "backward", "W": "weight"}
 """An action's kind as the timeline names it."""
 
 
@@ -34,6 +42,8 @@ class StagePasses(Protocol):
     def forward(self, micro: int, chunk: int) -> float: ...
 
     def backward(self, micro: int, chunk: int, *, last: bool) -> float: ...
+
+    def weight(self, micro: int, chunk: int, *, last: bool) -> float: ...
 
 
 class ScheduleRunner:
@@ -59,11 +69,13 @@ class ScheduleRunner:
                 "virtual_stages."
             )
         self.chunked = len(links) > 1
-        backwards = [i for i, a in enumerate(self.actions) if a.kind == "B"]
+        ends = "W" if splits_backward(schedule) else "B"
+        backwards = [i for i, a in enumerate(self.actions) if a.kind == ends]
         if not backwards:
             raise ScheduleError(f"the schedule gives stage {stage} no backward pass.")
         self.final_backward = backwards[-1]
-        """The position of the stage's last backward: the one that ends its round."""
+        """The position of the stage's last pass that makes gradients (B, or W where the
+        backward is split): the one that ends its round."""
         self.links, self.memory, self.events = links, memory, events
 
     def run_round(self, passes: StagePasses, *, micro_batches: int, step: int, final: bool) -> None:
@@ -72,11 +84,13 @@ class ScheduleRunner:
         for index, link in enumerate(self.links):
             link.begin_round(micro_batches, expect_loss=final and index == len(self.links) - 1)
         for position, action in enumerate(self.actions):
+            last = final and position == self.final_backward
             if action.kind == "F":
                 start = passes.forward(action.micro, action.chunk)
-            else:
-                last = final and position == self.final_backward
+            elif action.kind == "B":
                 start = passes.backward(action.micro, action.chunk, last=last)
+            else:
+                start = passes.weight(action.micro, action.chunk, last=last)
             event = {
                 "step": step,
                 "kind": EVENT_KINDS[action.kind],

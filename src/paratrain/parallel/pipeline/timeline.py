@@ -36,7 +36,7 @@ __all__ = [
     "write_chrome_trace",
 ]
 
-WORK_KINDS = ("forward", "backward")
+WORK_KINDS = ("forward", "backward", "weight")
 
 # Field -> expected type, per record kind. ``float`` accepts integers too; ``int`` refuses
 # booleans (JSON ``true`` would otherwise pass as 1).
@@ -53,7 +53,7 @@ _FIELDS: dict[str, dict[str, type]] = {
     },
     "activation_peak": {"rank": int, "stage": int, "replica": int, "bytes": int},
 }
-_FIELDS["backward"] = _FIELDS["forward"]
+_FIELDS["backward"] = _FIELDS["weight"] = _FIELDS["forward"]
 
 
 class TimelineError(ValueError):
