@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_SCHEDULES",
     "Action",
     "Schedule",
     "ScheduleDeadlock",
@@ -233,6 +234,8 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "1f1b": one_f_one_b,
     "zb-h1": zb_h1,
 }
+SPLIT_SCHEDULES = ("zb-h1",)
+"""The registered schedules that split the backward into B and W."""
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:
