@@ -34,6 +34,7 @@ from torch import nn
 
 import paratrain
 from paratrain.models import build_model, loss_for
+from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.parallel.pipeline.partition import stage_bounds
 from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
 
@@ -58,6 +59,8 @@ PEERS = {
     "zb-h1": "ScheduleInterleavedZeroBubble",
 }
 CHUNKS = {"interleaved": 2}
+PEER_SCHEDULE = {"interleaved": "1f1b"}
+"""paratrain's schedule name for a bench name."""
 
 
 def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,7 +97,7 @@ class ParatrainRunner:
             strategy="pipeline",
             stages=stages,
             micro_batches=micro,
-            schedule="1f1b" if schedule == "interleaved" else schedule,
+            schedule=PEER_SCHEDULE.get(schedule, schedule),
             virtual_stages=CHUNKS.get(schedule, 1),
         )
 
@@ -216,6 +219,11 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
                     "bubble_formula": runs[0]["formula"],
                     "bubble_ratio": bubble / theory,
                     "activation_peak_bytes": runs[0]["activation_peak"],
+                    "in_flight_theory": [
+                        in_flight(PEER_SCHEDULE.get(schedule, schedule), stages, s, micro, chunks)
+                        for s in range(stages)
+                        for chunks in [CHUNKS.get(schedule, 1)]
+                    ],
                 }
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -226,8 +234,8 @@ HEADER = (
     "| model | stages x micro | schedule (torch peer) | torch ms | paratrain ms "
     "| torch samples/s | paratrain samples/s "
     "| paratrain/torch (range) | bubble measured | bubble theory | measured/theory "
-    "| activation peak per stage (MiB) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| activation peak per stage (MiB) | in flight per stage (theory, stages' worth) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -243,7 +251,8 @@ def format_row(row: dict) -> str:
         f"| {row['paratrain_over_torch']:.2f} ({low:.2f}-{high:.2f}) "
         f"| {row['bubble_measured']:.1%} | {row['bubble_theory']:.1%} "
         f"| {row['bubble_ratio']:.2f} "
-        f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} |"
+        f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} "
+        f"| {', '.join(f'{n:g}' for n in row['in_flight_theory'])} |"
     )
 
 

@@ -23,7 +23,7 @@ from paratrain.parallel.pipeline.schedules import (
     simulate,
 )
 from paratrain.parallel.pipeline.ties import layer_list_stages
-from tests import workers
+from tests import schedule_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 
@@ -97,3 +97,27 @@ def test_interleaved_with_two_replicas_matches_single_device():
     loads = [workers.parity_model(kind).state_dict() for kind, _, _ in cases]
     results = paratrain.launch(workers.interleaved_worker, devices=4, args=(cases, options, loads))
     _check(results, cases, pieces=4)
+
+
+@pytest.mark.slow
+def test_four_stages_interleaved_and_zb_h1_match_single_device():
+    """4 stages: interleaved over 8 pieces of a 10-layer list, and ZB-H1, at 4 and 8
+    micro-batches (the schedules' warm-ups differ most from 2 stages' here)."""
+    cases = [("deep", "adam", 1), ("deep", "sgd", 1)]
+    options = [
+        {"stages": 4, "virtual_stages": 2, "micro_batches": 8},
+        {"stages": 4, "virtual_stages": 2, "micro_batches": 4},
+    ]
+    loads = [workers.parity_model(kind).state_dict() for kind, _, _ in cases]
+    results = paratrain.launch(workers.interleaved_worker, devices=4, args=(cases, options, loads))
+    _check(results, cases, pieces=8)
+    runs = [
+        ("plain", "gpt", "adam", {"stages": 4, "schedule": "zb-h1", "micro_batches": 4}),
+        ("plain", "deep", "sgd", {"stages": 4, "schedule": "zb-h1", "micro_batches": 8}),
+    ]
+    results = paratrain.launch(schedule_workers.zero_bubble_worker, devices=4, args=(runs,))
+    for (_, kind, opt, _), (state, losses, kinds) in zip(runs, results[0], strict=True):
+        assert kinds == ["backward", "forward", "weight"]
+        ref_state, ref_losses = workers.train_with("single", kind, opt, 1)
+        assert relative_error(state, ref_state) <= TOLERANCE, kind
+        assert losses == pytest.approx(ref_losses, rel=TOLERANCE), kind

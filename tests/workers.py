@@ -69,6 +69,8 @@ def parity_model(kind: str):
         return build_model("mlp", in_features=12, hidden=24, depth=2, classes=5)
     if kind == "gpt":
         return build_model("gpt", vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    if kind == "deep":  # 10 layers: enough for 4 stages x 2 virtual stages
+        return build_model("mlp", in_features=12, hidden=24, depth=4, classes=5)
     if kind == "unused":
         model = build_model("mlp", in_features=12, hidden=24, depth=1, classes=5)
         model.register_parameter("never_used", torch.nn.Parameter(torch.ones(3)))
