@@ -1,31 +1,25 @@
-"""Zero-bubble runs for tests/test_zero_bubble.py; spawned workers import these by name."""
+"""A learning-rate scheduler driving engine.optimizer, for tests/test_lr_schedule.py."""
 
 from __future__ import annotations
 
-from tests import clip_workers, tie_workers, workers
+import torch
+
+from tests import workers
 
 
-def _run(what: str, kind: str, optimizer: str, options: dict):
-    if what == "clip":
-        return clip_workers.MAX_NORM, workers.parity_engine(
-            "pipeline", kind, optimizer, max_grad_norm=clip_workers.MAX_NORM, **options
-        )
-    if what == "tied":
-        return None, tie_workers.tied_engine("pipeline", kind, optimizer, **options)
-    return None, workers.parity_engine("pipeline", kind, optimizer, **options)
+def train_scheduled(strategy: str, optimizer: str, **options) -> tuple[dict, list[float]]:
+    """10 parity steps with a LambdaLR (warmup then decay) stepped after each step, as a
+    user writes it against engine.optimizer."""
+    engine = workers.parity_engine(strategy, "mlp", optimizer, **options)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        engine.optimizer, lambda step: min(1.0, (step + 1) / 3) * 0.8**step
+    )
+    losses = []
+    for x, y in workers.parity_batches("mlp"):
+        losses.append(engine.train_step(x, y).loss)
+        schedule.step()
+    return engine.state_dict(), losses
 
 
-def zero_bubble_worker(runs: list[tuple]) -> list[tuple[dict, list[float], list[str]]]:
-    """Each (what, kind, optimizer, options): ``plain``, ``clip`` (clipped at
-    ``clip_workers.MAX_NORM``; reports gradient norms) or ``tied`` (``tie_workers``'
-    models); the final state, the losses (or norms), and the kinds of pass the run
-    timed (``weight`` where the backward was split)."""
-    out = []
-    for what, kind, optimizer, options in runs:
-        clip, engine = _run(what, kind, optimizer, options)
-        batches = workers.parity_batches("gpt" if what == "tied" else kind)
-        stats = [engine.train_step(x, y) for x, y in batches]
-        values = [s.grad_norm if clip else s.loss for s in stats]
-        kinds = sorted({event["kind"] for event in engine.events})
-        out.append((engine.state_dict(), values, kinds))
-    return out
+def train_all(runs: list[tuple[str, str, dict]]) -> list[tuple[dict, list[float]]]:
+    return [train_scheduled(strategy, opt, **options) for strategy, opt, options in runs]

@@ -23,7 +23,7 @@ from paratrain.parallel.pipeline.schedules import (
     simulate,
 )
 from paratrain.parallel.pipeline.ties import layer_list_stages
-from tests import schedule_workers, workers
+from tests import workers, zero_bubble_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 
@@ -115,7 +115,7 @@ def test_four_stages_interleaved_and_zb_h1_match_single_device():
         ("plain", "gpt", "adam", {"stages": 4, "schedule": "zb-h1", "micro_batches": 4}),
         ("plain", "deep", "sgd", {"stages": 4, "schedule": "zb-h1", "micro_batches": 8}),
     ]
-    results = paratrain.launch(schedule_workers.zero_bubble_worker, devices=4, args=(runs,))
+    results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=4, args=(runs,))
     for (_, kind, opt, _), (state, losses, kinds) in zip(runs, results[0], strict=True):
         assert kinds == ["backward", "forward", "weight"]
         ref_state, ref_losses = workers.train_with("single", kind, opt, 1)

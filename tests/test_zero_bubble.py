@@ -14,7 +14,7 @@ from torch import nn
 
 import paratrain
 from paratrain.parallel.pipeline.split_backward import refuse_for_split_backward
-from tests import clip_workers, schedule_workers, tie_workers, workers
+from tests import clip_workers, tie_workers, workers, zero_bubble_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 ZB = {"stages": 2, "schedule": "zb-h1"}
@@ -49,7 +49,7 @@ def test_zb_h1_matches_single_device_with_clipping_ties_accumulation_and_bf16():
         ("plain", "gpt", "adam", {**ZB, "micro_batches": 4, "precision": "bf16"}),
         ("plain", "gpt", "adam", {"stages": 2, "micro_batches": 4, "precision": "bf16"}),
     ]
-    results = paratrain.launch(schedule_workers.zero_bubble_worker, devices=2, args=(runs,))
+    results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=2, args=(runs,))
     lead = results[0]
     for (what, kind, opt, options), (state, values, kinds) in zip(runs[:6], lead, strict=False):
         assert kinds == ["backward", "forward", "weight"], (what, kind, kinds)
@@ -71,6 +71,6 @@ def test_zb_h1_with_two_replicas_matches_single_device():
         ("plain", "gpt", "adam", {**ZB, "micro_batches": 4}),
         ("plain", "mlp", "sgd", {**ZB, "micro_batches": 2, "bucket_mb": 0.0005}),
     ]
-    results = paratrain.launch(schedule_workers.zero_bubble_worker, devices=4, args=(runs,))
+    results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=4, args=(runs,))
     for (_, kind, opt, _), (state, losses, _) in zip(runs, results[0], strict=True):
         _close(state, losses, *workers.train_with("single", kind, opt, 1), f"2 x 2 {kind}")
