@@ -1,12 +1,17 @@
 """paratrain's pipeline engine against torch.distributed.pipelining, side by side in one run.
 
-For each model (mlp, gpt), stage count (2, 4) and schedule (GPipe, 1F1B), one launch builds
-the same stage split (paratrain's parameter-balanced partition) both ways in every worker:
-paratrain's engine, and torch's ``PipelineStage`` driven by ``ScheduleGPipe`` or
-``Schedule1F1B`` with the same micro-batches (m = 4p). The two alternate round by round on
-the same global batches, so machine noise hits both alike. Reported: median step time
-(max over ranks), samples/s, the throughput ratio paratrain/torch (target >= 1.1), and
-paratrain's measured bubble next to the theory (p-1)/(m+p-1) (target: within 1.1x).
+For each model (mlp, gpt), stage count (2, 4) and schedule, one launch builds the same
+split (paratrain's parameter-balanced partition) both ways in every worker: paratrain's
+engine, and torch's ``PipelineStage``s driven by the matching schedule with the same
+micro-batches (m = 4p): GPipe - ``ScheduleGPipe``, 1F1B - ``Schedule1F1B``, interleaved
+1F1B over 2 chunks per stage - ``ScheduleInterleaved1F1B`` on the same p x 2 pieces, ZB-H1
+- ``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedule, ZB1P, here with one
+stage per rank). The two alternate round by round on the same global batches, so machine
+noise hits both alike. Reported: median step time (max over ranks), samples/s, the
+throughput ratio paratrain/torch, and paratrain's measured bubble next to its schedule's
+theory (``Timeline.theory``: (p-1)/(m+p-1), (p-1)/(vm+p-1), or ZB-H1's (p-1)(F+B-W) from
+the run's own pass times). On a machine with fewer cores than workers the figures are
+contended (the bubble then partly measures waiting for a core): the table says so.
 
     python benchmarks/bench_pipeline.py            # full table
     python benchmarks/bench_pipeline.py --quick    # one short launch each
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +34,9 @@ from torch import nn
 
 import paratrain
 from paratrain.models import build_model, loss_for
-from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline, theoretical_bubble
+from paratrain.parallel.pipeline.cost import in_flight
+from paratrain.parallel.pipeline.partition import stage_bounds
+from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
 
 # Layers of equal size, so that stages can be balanced at layer granularity and the bubble
 # compares with the theory, which assumes equal stages.
@@ -42,7 +50,17 @@ MODELS = {
         "global_batch": 64,
     },
 }
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+"""Bench names: ``interleaved`` is paratrain's 1f1b with ``virtual_stages=2``."""
+PEERS = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+}
+CHUNKS = {"interleaved": 2}
+PEER_SCHEDULE = {"interleaved": "1f1b"}
+"""paratrain's schedule name for a bench name."""
 
 
 def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,7 +97,8 @@ class ParatrainRunner:
             strategy="pipeline",
             stages=stages,
             micro_batches=micro,
-            schedule=schedule,
+            schedule=PEER_SCHEDULE.get(schedule, schedule),
+            virtual_stages=CHUNKS.get(schedule, 1),
         )
 
     def step(self, x, y) -> None:
@@ -92,18 +111,27 @@ class TorchRunner:
     def __init__(
         self, name: str, spec: dict, balance: list[int], micro: int, schedule: str
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
-        rank, stages = dist.get_rank(), len(balance)
-        start = sum(balance[:rank])
+        rank, stages = dist.get_rank(), dist.get_world_size()
+        bounds = stage_bounds(balance)  # p x v pieces: piece c * p + rank is chunk c here
         layers = fresh_model(name, spec)
-        module = nn.Sequential(*[layers[i] for i in range(start, start + balance[rank])])
-        self.module = module
-        self.optimizer = sgd(module.parameters())
+        modules, pipe_stages = [], []
+        for piece in range(rank, len(bounds), stages):
+            start, end = bounds[piece]
+            modules.append(nn.Sequential(*[layers[i] for i in range(start, end)]))
+            pipe_stages.append(
+                pipelining.PipelineStage(modules[-1], piece, len(bounds), torch.device("cpu"))
+            )
+        self.optimizer = sgd([p for module in modules for p in module.parameters()])
         self.first, self.last = rank == 0, rank == stages - 1
-        stage = PipelineStage(module, rank, stages, torch.device("cpu"))
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self.schedule = kind(stage, n_microbatches=micro, loss_fn=loss_for(name))
+        kind = getattr(pipelining, PEERS[schedule])
+        single = schedule in ("gpipe", "1f1b")  # torch's single-stage schedules take one
+        self.schedule = kind(
+            pipe_stages[0] if single else pipe_stages,
+            n_microbatches=micro,
+            loss_fn=loss_for(name),
+        )
 
     def step(self, x, y) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -135,6 +163,7 @@ def bench_worker(
     ours.engine.write_timeline(run_dir, last_steps=ours.engine.steps_taken)
     return {
         "median_s": medians,
+        "peer": PEERS[schedule],
         "balance": ours.engine.balance,
         "activation_peak": ours.engine.activation_peak_bytes(),
     }
@@ -147,11 +176,14 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
         results = paratrain.launch(
             bench_worker, devices=stages, args=(name, spec, schedule, rounds, steps, run_dir)
         )
-        bubble = measured_bubble(read_timeline(Path(run_dir) / "timeline.jsonl"))
+        timeline = read_timeline(Path(run_dir) / "timeline.jsonl")
+        bubble, (theory, formula) = measured_bubble(timeline), timeline.theory()
     median = slowest_rank([r["median_s"] for r in results])
     return {
         "median": median,
         "bubble": bubble,
+        "theory": theory,
+        "formula": formula,
         "balance": results[0]["balance"],
         "activation_peak": [r["activation_peak"] for r in results],
     }
@@ -167,12 +199,14 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
                     [r["median"] for r in runs], ours="paratrain", peer="torch"
                 )
                 micro, batch = 4 * stages, MODELS[name]["global_batch"]
-                theory = theoretical_bubble(stages, micro)
+                theory = statistics.median(r["theory"] for r in runs)
                 bubble = statistics.median(r["bubble"] for r in runs)
                 row = {
                     "model": name,
                     "stages": stages,
                     "schedule": schedule,
+                    "peer": PEERS[schedule],
+                    "contended": stages > len(os.sched_getaffinity(0)),
                     "micro_batches": micro,
                     "global_batch": batch,
                     "balance": runs[0]["balance"],
@@ -182,8 +216,14 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
                     "paratrain_over_torch_range": [min(ratios), max(ratios)],
                     "bubble_measured": bubble,
                     "bubble_theory": theory,
+                    "bubble_formula": runs[0]["formula"],
                     "bubble_ratio": bubble / theory,
                     "activation_peak_bytes": runs[0]["activation_peak"],
+                    "in_flight_theory": [
+                        in_flight(PEER_SCHEDULE.get(schedule, schedule), stages, s, micro, chunks)
+                        for s in range(stages)
+                        for chunks in [CHUNKS.get(schedule, 1)]
+                    ],
                 }
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -191,23 +231,28 @@ def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
 
 
 HEADER = (
-    "| model | stages x micro | schedule | torch ms | paratrain ms | paratrain samples/s "
+    "| model | stages x micro | schedule (torch peer) | torch ms | paratrain ms "
+    "| torch samples/s | paratrain samples/s "
     "| paratrain/torch (range) | bubble measured | bubble theory | measured/theory "
-    "| activation peak per stage (MiB) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "| activation peak per stage (MiB) | in flight per stage (theory, stages' worth) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def format_row(row: dict) -> str:
     ms = {key: f"{value * 1e3:.1f}" for key, value in row["median_step_s"].items()}
     low, high = row["paratrain_over_torch_range"]
+    contended = " (contended)" if row["contended"] else ""
     return (
-        f"| {row['model']} | {row['stages']} x {row['micro_batches']} | {row['schedule']} "
-        f"| {ms['torch']} | {ms['paratrain']} | {row['samples_per_s']['paratrain']:.0f} "
+        f"| {row['model']} | {row['stages']} x {row['micro_batches']}{contended} "
+        f"| {row['schedule']} ({row['peer']}) "
+        f"| {ms['torch']} | {ms['paratrain']} | {row['samples_per_s']['torch']:.0f} "
+        f"| {row['samples_per_s']['paratrain']:.0f} "
         f"| {row['paratrain_over_torch']:.2f} ({low:.2f}-{high:.2f}) "
         f"| {row['bubble_measured']:.1%} | {row['bubble_theory']:.1%} "
         f"| {row['bubble_ratio']:.2f} "
-        f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} |"
+        f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} "
+        f"| {', '.join(f'{n:g}' for n in row['in_flight_theory'])} |"
     )
 
 

@@ -5,18 +5,26 @@ from __future__ import annotations
 import pytest
 
 from paratrain.parallel.pipeline.runner import ScheduleRunner
-from paratrain.parallel.pipeline.schedules import Action, ScheduleError, gpipe, one_f_one_b
+from paratrain.parallel.pipeline.schedules import (
+    Action,
+    ScheduleError,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+)
 
 
 class _Link:
-    def __init__(self, calls: list) -> None:
-        self.calls = calls
+    def __init__(self, calls: list, chunk: int = 0) -> None:
+        self.calls, self.chunk = calls, chunk
 
     def begin_round(self, micro_batches: int, *, expect_loss: bool) -> None:
-        self.calls.append(("begin", micro_batches, expect_loss))
+        self.calls.append(
+            ("begin", micro_batches, expect_loss) + ((self.chunk,) if self.chunk else ())
+        )
 
     def flush(self) -> None:
-        self.calls.append(("flush",))
+        self.calls.append(("flush",) + ((self.chunk,) if self.chunk else ()))
 
 
 class _Memory:
@@ -31,21 +39,20 @@ class _Passes:
     def __init__(self, calls: list) -> None:
         self.calls = calls
 
-    def forward(self, micro: int) -> float:
-        self.calls.append(("F", micro))
+    def forward(self, micro: int, chunk: int) -> float:
+        self.calls.append(("F", micro) + ((chunk,) if chunk else ()))
         return 0.0
 
-    def backward(self, micro: int, *, last: bool) -> float:
-        self.calls.append(("B", micro, last))
+    def backward(self, micro: int, chunk: int, *, last: bool) -> float:
+        self.calls.append(("B", micro, last) + ((chunk,) if chunk else ()))
         return 0.0
 
 
-def _run(schedule, stage: int, *, final: bool) -> tuple[list, list]:
+def _run(schedule, stage: int, *, final: bool, chunks: int = 1) -> tuple[list, list]:
     calls: list = []
     events: list = []
-    runner = ScheduleRunner(
-        schedule, stage, link=_Link(calls), memory=_Memory(calls), events=events
-    )
+    links = [_Link(calls, chunk) for chunk in range(chunks)]
+    runner = ScheduleRunner(schedule, stage, links=links, memory=_Memory(calls), events=events)
     runner.run_round(_Passes(calls), micro_batches=3, step=7, final=final)
     return calls, events
 
@@ -77,7 +84,20 @@ def test_a_new_schedule_is_data_the_runner_executes_unchanged():
     assert [c[2] for c in calls if c[0] == "B"] == [False, True]
 
 
-def test_an_action_of_a_second_chunk_is_refused_in_one_sentence():
+def test_an_action_of_a_chunk_the_stage_does_not_hold_is_refused_in_one_sentence():
     chunked = [[Action("F", 0), Action("F", 0, chunk=1), Action("B", 0, chunk=1), Action("B", 0)]]
-    with pytest.raises(ScheduleError, match="holds one slice of the model"):
-        ScheduleRunner(chunked, 0, link=_Link([]), memory=_Memory([]), events=[])
+    with pytest.raises(ScheduleError, match="the stage holds 1 chunk"):
+        ScheduleRunner(chunked, 0, links=[_Link([])], memory=_Memory([]), events=[])
+
+
+def test_an_interleaved_schedule_runs_each_action_on_its_chunk_and_its_link():
+    schedule = interleaved_1f1b(2, 4, 2)
+    calls, events = _run(schedule, 1, final=True, chunks=2)
+    passes = [c for c in calls if c[0] in ("F", "B")]
+    chunk_of = [c[-1] if len(c) == (3 if c[0] == "F" else 4) else 0 for c in passes]
+    assert [(c[0], c[1]) for c in passes] == [(a.kind, a.micro) for a in schedule[1]]
+    assert chunk_of == [a.chunk for a in schedule[1]] == [e["chunk"] for e in events]
+    # only the last chunk's link expects the step's loss; every link starts and flushes
+    assert calls[:2] == [("begin", 3, False), ("begin", 3, True, 1)]
+    assert calls[-2:] == [("flush",), ("flush", 1)]
+    assert [c[2] for c in passes if c[0] == "B"][-1] is True

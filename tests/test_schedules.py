@@ -17,6 +17,8 @@ from paratrain.parallel.pipeline.schedules import (
     one_f_one_b,
     simulate,
     simulated_bubble,
+    splits_backward,
+    zb_h1,
 )
 
 
@@ -204,14 +206,15 @@ def test_bad_sizes_are_refused():
         interleaved_1f1b(2, 4, 0)
     with pytest.raises(ValueError, match="backward_ticks must be a positive integer"):
         simulate(gpipe(2, 2), backward_ticks=0)
-    with pytest.raises(ScheduleError, match="kind must be 'F' or 'B'"):
-        Action("W", 0)
+    with pytest.raises(ScheduleError, match="kind must be 'F', 'B' or 'W'"):
+        Action("X", 0)
 
 
 def test_get_schedule_names_the_choices():
     assert get_schedule("gpipe") is gpipe
     assert get_schedule("1f1b") is one_f_one_b
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe"]
+    assert get_schedule("zb-h1") is zb_h1
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "zb-h1"]
     with pytest.raises(
         ScheduleError, match="unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b"
     ):
@@ -241,9 +244,66 @@ def test_malformed_schedules_are_refused():
 def test_every_shipped_schedule_completes():
     for stages, micro in SIZES:
         for name in SCHEDULES:
-            placed = simulate(get_schedule(name)(stages, micro), backward_ticks=2)
-            assert [len(slots) for slots in placed] == [2 * micro] * stages
+            schedule = get_schedule(name)(stages, micro)
+            placed = simulate(schedule, backward_ticks=2)
+            kinds = 3 if splits_backward(schedule) else 2
+            assert [len(slots) for slots in placed] == [kinds * micro] * stages
         if micro % stages == 0:
             for chunks in (1, 2, 3):
                 placed = simulate(interleaved_1f1b(stages, micro, chunks))
                 assert [len(slots) for slots in placed] == [2 * micro * chunks] * stages
+
+
+ZB_SIZES = [(1, 3), (2, 1), (2, 4), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16)]
+
+
+def _idle_ticks_per_stage(schedule, **ticks) -> float:
+    placed = simulate(schedule, **ticks)
+    makespan = max(slot.end for slots in placed for slot in slots)
+    return simulated_bubble(schedule, **ticks) * makespan
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(p, m) for p, m in ZB_SIZES if m >= p])
+def test_zb_h1_reaches_the_papers_bubble_a_third_of_1f1bs(stages, micro):
+    """With F = B = W = 1 tick (m >= p) the paper's ZB-H1 idles ``(p - 1)(T_F + T_B -
+    T_W)`` = p - 1 ticks per stage; 1F1B, its backward B + W = 2 ticks, idles 3(p - 1)."""
+    schedule = zb_h1(stages, micro)
+    assert splits_backward(schedule) and not splits_backward(one_f_one_b(stages, micro))
+    bubble = simulated_bubble(schedule, backward_ticks=2, weight_ticks=1)
+    assert bubble == pytest.approx((stages - 1) / (3 * micro + stages - 1), abs=1e-12)
+    idle = _idle_ticks_per_stage(schedule, backward_ticks=2)
+    one_f = _idle_ticks_per_stage(one_f_one_b(stages, micro), backward_ticks=2)
+    assert idle == pytest.approx(stages - 1) and one_f == pytest.approx(3 * (stages - 1))
+
+
+@pytest.mark.parametrize(("stages", "micro"), ZB_SIZES)
+def test_zb_h1_runs_each_kind_in_order_and_bounds_what_it_holds(stages, micro):
+    for s, actions in enumerate(zb_h1(stages, micro)):
+        for kind in "FBW":
+            assert [a.micro for a in actions if a.kind == kind] == list(range(micro))
+        between, pending, peak_between, peak_pending = 0, 0, 0, 0
+        for action in actions:
+            between += {"F": 1, "B": -1}.get(action.kind, 0)
+            pending += {"B": 1, "W": -1}.get(action.kind, 0)
+            peak_between, peak_pending = max(peak_between, between), max(peak_pending, pending)
+        assert peak_between <= min(stages - s, micro)  # 1F1B's bound between F and B
+        assert peak_pending <= stages
+    assert max_in_flight(zb_h1(4, 8)) == [7, 6, 5, 4]  # F to W: both counted
+
+
+def test_zb_h1_clock_table_shows_w_filling_the_bubble():
+    assert clock_table(zb_h1(2, 4), backward_ticks=2) == [
+        "F0 F1 .  B0 F2 B1 W0 F3 B2 W1 W2 B3 W3",
+        ".  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3",
+    ]
+
+
+def test_a_split_backward_needs_room_for_both_parts_and_every_w():
+    with pytest.raises(ScheduleError, match="1 <= weight_ticks < backward_ticks"):
+        simulate(zb_h1(2, 2), backward_ticks=1)
+    missing_w = [[a for a in actions if (a.kind, a.micro) != ("W", 1)] for actions in zb_h1(2, 2)]
+    with pytest.raises(ScheduleError, match="runs W for"):
+        simulate(missing_w, backward_ticks=2)
+    early_w = [[Action("F", 0), Action("W", 0), Action("B", 0)]]
+    with pytest.raises(ScheduleDeadlock):
+        simulate(early_w, backward_ticks=2)

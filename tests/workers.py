@@ -69,6 +69,8 @@ def parity_model(kind: str):
         return build_model("mlp", in_features=12, hidden=24, depth=2, classes=5)
     if kind == "gpt":
         return build_model("gpt", vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    if kind == "deep":  # 10 layers: enough for 4 stages x 2 virtual stages
+        return build_model("mlp", in_features=12, hidden=24, depth=4, classes=5)
     if kind == "unused":
         model = build_model("mlp", in_features=12, hidden=24, depth=1, classes=5)
         model.register_parameter("never_used", torch.nn.Parameter(torch.ones(3)))
@@ -231,6 +233,26 @@ def pipeline_parity_worker(cases: list[tuple], options: list[dict]) -> list[tupl
     return [
         train_with("pipeline", *case, **option) for case, option in zip(cases, options, strict=True)
     ]
+
+
+def interleaved_worker(
+    cases: list[tuple], options: list[dict], loads: list[dict]
+) -> list[tuple[dict, list, list[int], int, dict]]:
+    """Each case under the pipeline with its options: final state, losses, balance, virtual
+    stages in the layout; and the state read back after loading ``loads[i]`` (a state saved
+    under another engine) into a fresh engine with the same options."""
+    out = []
+    for case, option, saved in zip(cases, options, loads, strict=True):
+        engine = parity_engine("pipeline", *case, **option)
+        losses = [engine.train_step(x, y).loss for x, y in parity_batches(case[0])]
+        layout = engine.layout()
+        fresh = parity_engine("pipeline", *case, **option)
+        fresh.load_state_dict(saved)
+        reloaded = fresh.state_dict()
+        out.append(
+            (engine.state_dict(), losses, layout["balance"], layout["virtual_stages"], reloaded)
+        )
+    return out
 
 
 def activation_peaks_worker(settings: list[dict]) -> list[int]:

@@ -76,3 +76,38 @@ class LayerSlice:
             if local is not None:
                 picked[local] = value
         return picked
+
+
+@dataclass(frozen=True)
+class LayerPieces:
+    """Layers at ``indices`` of a layer list (several non-adjacent runs of it, as a worker
+    of an interleaved pipeline holds), kept under local indices ``0 .. len(indices) - 1``
+    in that order; keys carry ``prefix``. One run ``range(start, end)`` is ``LayerSlice``."""
+
+    indices: tuple[int, ...]
+    prefix: str = ""
+
+    def canonical(self, local_key: str) -> str:
+        """``'2.weight'`` held -> ``'<prefix><indices[2]>.weight'`` in the full model."""
+        index, _, rest = local_key.partition(".")
+        return f"{self.prefix}{self.indices[int(index)]}.{rest}"
+
+    def local(self, canonical_key: str) -> str | None:
+        """The held key for a full-model key, or None when the layer is not held here."""
+        if not canonical_key.startswith(self.prefix):
+            return None
+        index, _, rest = canonical_key[len(self.prefix) :].partition(".")
+        if not index.isdigit() or int(index) not in self.indices:
+            return None
+        return f"{self.indices.index(int(index))}.{rest}"
+
+    def to_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.canonical(key): value for key, value in state.items()}
+
+    def from_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        picked = {}
+        for key, value in state.items():
+            local = self.local(key)
+            if local is not None:
+                picked[local] = value
+        return picked

@@ -28,8 +28,8 @@ def _at_least_one(**degrees: int) -> None:
 class Layout:
     """How a run's workers are arranged; ``devices`` is their product.
 
-    ``virtual_stages`` (model chunks per pipeline stage, for an interleaved schedule) is
-    1 until a schedule uses it; it does not change the device count.
+    ``virtual_stages`` (model chunks per pipeline stage, run by the interleaved 1F1B
+    schedule) does not change the device count.
     """
 
     replicas: int = 1
@@ -102,7 +102,8 @@ class Layout:
 
     def record(self) -> dict[str, Any]:
         """The degrees as a JSON record (checkpoint manifests, metrics); a degree left at
-        its neutral value is omitted only for ``virtual_stages``, which nothing uses yet."""
+        its neutral value is omitted only for ``virtual_stages``, so that records of runs
+        without virtual stages read as they always did."""
         record = {"replicas": self.replicas, "stages": self.stages, "tensor": self.tensor}
         if self.virtual_stages > 1:
             record["virtual_stages"] = self.virtual_stages

@@ -1,7 +1,8 @@
 """``strategy="pipeline"``: contiguous stages of the model, fed micro-batches.
 
 description.py      the strategy before any worker starts (layout, refusals, planning)
-engine.py           the engine (GPipe/1F1B, recompute, dp x pp hybrid)
+engine.py           the engine (GPipe/1F1B/interleaved 1F1B, recompute, dp x pp hybrid)
+chunks.py           a worker's virtual stages (interleaved 1F1B): pieces, links, refusals
 cost.py             the planner's arithmetic (balance, in-flight micro-batches, bubble)
 options.py          its options (stages, micro-batches, schedule, balance, split points)
 split_points.py     a model that is no layer list: stages at named blocks, who owns what

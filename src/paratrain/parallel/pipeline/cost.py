@@ -5,16 +5,21 @@ parameters unless ``balance_by`` or ``balance`` say otherwise); the worker whose
 peaks highest speaks for the plan. A stage holds its layers' parameters (its slices
 under ``tensor``), their gradients (kept between steps in the replicas' buckets, set to
 None at each step's start without replicas), their optimizer state, the activations of
-the micro-batches its schedule has in flight (1F1B: ``min(stages - stage, m)``, GPipe:
-all ``m``; under ``recompute`` only each one's stage input: the stage is checkpointed
-as one segment), and the point-to-point
+the micro-batches its schedule has in flight (read off the schedule's own action lists,
+``schedules.max_in_flight``: 1F1B ``min(stages - stage, m)``, GPipe all ``m``, interleaved
+1F1B in (micro-batch, chunk) pairs of ``1/v`` of the stage each, ZB-H1 from F to W, since
+W still holds each layer's graph; under ``recompute`` only each one's stage input: the
+stage is checkpointed as one segment), and the point-to-point
 buffers (``p2p``): the round's sends until the flush (activations and the header to the
 next stage, input gradients and the loss to the previous one), and the gradient receives
 posted for the micro-batches in flight.
 
 A step is ``m + stages - 1`` slots of the slowest stage's micro-batch (the bubble), each
 with its sends, then the replicas' gradient all-reduce and the optimizer step, per
-accumulation round.
+accumulation round. Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of
+``stages - 1``; ZB-H1 idles ``stages - 1`` times ``F + B - W`` of the slowest stage, where
+B (the input's gradient) and W (the weights') each take half the backward, so the idle
+is about one forward per slot.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from paratrain.parallel.pipeline.options import (
     BALANCE_BY,
     MICRO_BATCHES,
     SCHEDULE,
+    VIRTUAL_STAGES,
     micro_batches_per_replica,
 )
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
+from paratrain.parallel.pipeline.schedules import build_schedule, max_in_flight
 from paratrain.parallel.pipeline.structure import HEADER_BYTES
 from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
@@ -57,10 +64,19 @@ def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: 
     return partition(given(options, BALANCE_BY), profiles, stages)
 
 
-def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
-    if schedule == "gpipe":
-        return micro_batches
-    return min(stages - stage, micro_batches)
+def in_flight(schedule: str, stages: int, stage: int, micro_batches: int, chunks: int = 1) -> float:
+    """Stage ``stage``'s most micro-batches holding activations, in whole stages' worth
+    (an interleaved (micro-batch, chunk) pair holds ``1/chunks`` of the stage's)."""
+    peak = max_in_flight(build_schedule(schedule, stages, micro_batches, chunks))[stage]
+    return peak / chunks if chunks > 1 else peak
+
+
+def idle_slots(schedule: str, stages: int, chunks: int, forward_share: float) -> float:
+    """The bubble in slots of the slowest stage's micro-batch (``forward_share``: its
+    forward's share of forward + backward, for ZB-H1's ``F + B - W``)."""
+    if schedule == "zb-h1":
+        return (stages - 1) * forward_share  # F + B - W with B = W = backward / 2
+    return (stages - 1) / chunks
 
 
 def predict(
@@ -73,18 +89,19 @@ def predict(
     layout: Layout,
 ) -> Prediction:
     replicas, stages = layout.replicas, layout.stages
+    chunks = given(options, VIRTUAL_STAGES)
     micro = micro_batches_per_replica(stages, options.get(MICRO_BATCHES.name))
     schedule = given(options, SCHEDULE)
     recompute = bool(given(options, RECOMPUTE))
     rounds = run.gradient_accumulation
     samples = run.global_batch / (replicas * rounds * micro)
-    bounds = stage_bounds(balance(unsplit, stages, options, samples))
+    bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
     worst: dict[str, int] | None = None
-    slowest = busy = 0.0
+    slowest = busy = forward_share = 0.0
     largest_stage = 0
-    for stage, (start, end) in enumerate(bounds):
-        layers = range(start, end)
-        held = in_flight(schedule, stages, stage, micro)
+    for stage in range(stages):
+        layers = _worker_layers(bounds, stage, stages)
+        held = in_flight(schedule, stages, stage, micro, chunks)
         if recompute:
             one = costs.recomputed_saved(
                 samples, layers, batch_samples=run.global_batch, one_segment=True
@@ -92,12 +109,11 @@ def predict(
         else:
             one = costs.saved(samples, layers, batch_samples=run.global_batch)
         first, last = stage == 0, stage == stages - 1
-        out = costs.layers[end - 1].output_bytes.at(samples)
-        grad_in = costs.layers[start].input_bytes.at(samples) if not first else 0.0
-        sends = (0 if last else micro * out + HEADER_BYTES) + (
-            0 if first else micro * grad_in + LOSS_BYTES
+        outs, grads_in = _boundary_bytes(costs, bounds[stage::stages], samples, first, last)
+        sends = (micro * sum(outs) + HEADER_BYTES * len(outs)) + (
+            0 if first else micro * sum(grads_in) + LOSS_BYTES
         )
-        posted = 0 if last else held * out
+        posted = held * sum(outs)
         params = costs.param_bytes(layers)
         memory = ledger_at_peak(
             parameters=params + costs.frozen_bytes(layers),
@@ -112,8 +128,9 @@ def predict(
         per_micro = costs.time(samples, layers) + (
             costs.forward_time(samples, layers) if recompute else 0.0
         )
-        per_micro += machine.send.at(out) if not last else 0.0
-        slowest = max(slowest, per_micro)
+        per_micro += sum(machine.send.at(out) for out in outs)
+        if per_micro > slowest:
+            slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro
         busy += per_micro
         largest_stage = max(largest_stage, costs.elements(layers))
     workers = replicas * stages * costs.tensor
@@ -121,8 +138,11 @@ def predict(
     # every stage's micro-batches, on every replica and tensor rank, against the chain of
     # m + stages - 1 slots of the slowest stage
     work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
-    compute = machine.compute_seconds(work, rounds * (micro + stages - 1) * slowest + optimizer)
-    params_largest = max(costs.param_bytes(range(s, e)) for s, e in bounds)
+    idle = idle_slots(schedule, stages, chunks, forward_share)
+    compute = machine.compute_seconds(work, rounds * (micro + idle) * slowest + optimizer)
+    params_largest = max(
+        costs.param_bytes(_worker_layers(bounds, s, stages)) for s in range(stages)
+    )
     communication = machine.all_reduce_s(params_largest, replicas) + machine.all_reduce_s(
         rounds * micro * costs.tensor_bytes.at(samples) / stages,
         costs.tensor,
@@ -134,5 +154,20 @@ def predict(
         communication_s=communication,
         workers=workers,
         machine=machine,
-        notes=(f"bubble {(stages - 1) / (micro + stages - 1):.0%}",),
+        notes=(f"bubble {idle / (micro + idle):.0%}",),
     )
+
+
+def _boundary_bytes(
+    costs: ModelCosts, pieces: list[tuple[int, int]], samples: float, first: bool, last: bool
+) -> tuple[list[float], list[float]]:
+    """Per micro-batch, the activations a stage's chunks send on, and the input gradients
+    they send back (the first stage's first chunk and the last stage's last chunk none)."""
+    outs = [costs.layers[end - 1].output_bytes.at(samples) for _, end in pieces]
+    grads_in = [costs.layers[start].input_bytes.at(samples) for start, _ in pieces]
+    return (outs[:-1] if last else outs), (grads_in[1:] if first else grads_in)
+
+
+def _worker_layers(bounds: list[tuple[int, int]], stage: int, stages: int) -> list[int]:
+    """The layers stage ``stage`` holds: its pieces ``stage, stage + stages, ...``."""
+    return [i for start, end in bounds[stage::stages] for i in range(start, end)]

@@ -7,6 +7,8 @@ recompute, the tensor plan), so a run that cannot be cut is refused before launc
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +19,22 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import RunSpec, given
 from paratrain.parallel.pipeline import cost as pipeline_cost
 from paratrain.parallel.pipeline import timeline_report
+from paratrain.parallel.pipeline.chunks import refuse_for_virtual_stages
 from paratrain.parallel.pipeline.engine import PipelineEngine
 from paratrain.parallel.pipeline.options import (
     BALANCE,
     BALANCE_BY,
     MICRO_BATCHES,
     OPTIONS,
+    SCHEDULE,
     SPLIT_POINTS,
     STAGES,
+    VIRTUAL_STAGES,
     micro_batches_per_replica,
 )
 from paratrain.parallel.pipeline.partition import check_stages, validate_balance
+from paratrain.parallel.pipeline.schedules import SPLIT_SCHEDULES, build_schedule
+from paratrain.parallel.pipeline.split_backward import refuse_for_split_backward
 from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
@@ -49,9 +56,10 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
 
     @classmethod
     def layout(cls, devices: int, options: dict[str, Any]) -> Layout:
-        return Layout.over(
+        layout = Layout.over(
             devices, stages=given(options, STAGES), tensor=cls.tensor_degree(devices, options)
         )
+        return replace(layout, virtual_stages=given(options, VIRTUAL_STAGES))
 
     @classmethod
     def micro_batches_per_step(cls, options: dict[str, Any]) -> int:
@@ -61,12 +69,19 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
     def check_run(cls, run: RunSpec) -> None:
         """The mesh and batch, then the stages against the model's layers (on a meta copy)."""
         super().check_run(run)
+        layout = cls.layout(run.devices, run.options)
+        chunks, schedule = layout.virtual_stages, given(run.options, SCHEDULE)
+        # refuses a schedule the stages and micro-batches cannot run
+        build_schedule(schedule, layout.stages, cls.micro_batches_per_step(run.options), chunks)
         if run.build_model is None:
             return
-        layout = cls.layout(run.devices, run.options)
-        stages, balance = layout.stages, run.options.get(BALANCE.name)
+        stages, balance = layout.stages * chunks, run.options.get(BALANCE.name)
         split_points = run.options.get(SPLIT_POINTS.name)
         model = run.build_model()
+        refuse_for_virtual_stages(model, chunks, tensor=layout.tensor)
+        if schedule in SPLIT_SCHEDULES:
+            recompute = bool(given(run.options, RECOMPUTE))
+            refuse_for_split_backward(model, schedule, recompute=recompute, tensor=layout.tensor)
         if layout.tp_enabled:
             refuse_tensor_for_split_points(model)
             cls.check_tensor_plan(run, layout.tensor)
@@ -126,26 +141,31 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
     @classmethod
     def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
         """Every stage count (2 and up) that divides the workers, with 1, 2 and 4
-        micro-batches per stage, both schedules, every tensor degree of the rest, each
-        with and without recompute. Only for a layer list: the planner measures its
-        layers one by one, which is what a stage's costs are made of (a model cut at named
-        blocks is measured whole)."""
+        micro-batches per stage, each schedule (1F1B, GPipe, ZB-H1, and interleaved 1F1B
+        over 2 chunks per stage, without tensor), every tensor degree of the rest, each
+        with and without recompute (ZB-H1 without: it refuses it). Only for a layer list:
+        the planner measures its layers one by one, which is what a stage's costs are made
+        of (a model cut at named blocks is measured whole)."""
         if not layer_list:
             return []
+        schedules = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("1f1b", 2))
         layouts = []
         for stages in (s for s in divisors(devices) if s >= 2):
             for tensor in divisors(devices // stages):
                 for micro in (stages, 2 * stages, 4 * stages):
-                    for schedule in ("1f1b", "gpipe"):
-                        for recompute in (False, True):
-                            layout = {"stages": stages, "micro_batches": micro}
-                            if schedule != "1f1b":
-                                layout["schedule"] = schedule
-                            if tensor > 1:
-                                layout["tensor"] = tensor
-                            if recompute:
-                                layout["recompute"] = True
-                            layouts.append(layout)
+                    for (schedule, chunks), recompute in product(schedules, (False, True)):
+                        if (recompute and schedule == "zb-h1") or (chunks > 1 and tensor > 1):
+                            continue  # refused by the engine (split_backward, chunks)
+                        layout = {"stages": stages, "micro_batches": micro}
+                        if schedule != "1f1b":
+                            layout["schedule"] = schedule
+                        if chunks > 1:
+                            layout["virtual_stages"] = chunks
+                        if tensor > 1:
+                            layout["tensor"] = tensor
+                        if recompute:
+                            layout["recompute"] = True
+                        layouts.append(layout)
         return layouts
 
     @classmethod

@@ -5,8 +5,10 @@ A model that is not a layer list is cut at named blocks instead (``split_points`
 runs the model's own forward; everything below is the same for both.
 
 Each worker keeps only its stage's layers (the rest are moved to the meta device, which
-frees their memory) and builds the optimizer over those parameters alone. A schedule from
-``schedules`` (GPipe or 1F1B) tells each stage the order of its forwards and backwards;
+frees their memory) and builds the optimizer over those parameters alone. With
+``virtual_stages = v`` a worker holds ``v`` non-adjacent pieces of the layer list instead
+(``chunks``), run by interleaved 1F1B. A schedule from ``schedules`` (GPipe, 1F1B,
+interleaved 1F1B) tells each stage the order of its forwards and backwards;
 activations and their gradients move between neighbours by point-to-point messages
 (``p2p``). With more workers than stages, each stage is replicated over a data-parallel
 group (``mesh``) whose members average that stage's gradients with the same bucketed
@@ -63,11 +65,17 @@ from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.grad_buckets import BucketedGradientReducer
 from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.layer_profile import param_profiles, profile_layers
-from paratrain.parallel.layers import LayerSlice, is_layer_list, layer_list
+from paratrain.parallel.layers import LayerPieces, is_layer_list, layer_list
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.pipeline.chunks import (
+    Chunk,
+    build_chunks,
+    chunk_links,
+    held_pieces,
+    refuse_for_virtual_stages,
+)
 from paratrain.parallel.pipeline.options import STAGES, micro_batches_per_replica
-from paratrain.parallel.pipeline.p2p import StageLink
 from paratrain.parallel.pipeline.partition import (
     check_stages,
     partition,
@@ -75,7 +83,8 @@ from paratrain.parallel.pipeline.partition import (
     validate_balance,
 )
 from paratrain.parallel.pipeline.runner import ScheduleRunner
-from paratrain.parallel.pipeline.schedules import get_schedule
+from paratrain.parallel.pipeline.schedules import build_schedule, splits_backward
+from paratrain.parallel.pipeline.split_backward import LayerTape, refuse_for_split_backward
 from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
@@ -147,7 +156,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     Options: ``stages`` (pipeline depth; workers / stages replicas of each stage),
     ``micro_batches`` per replica and step (default 2 x stages), ``schedule`` ("1f1b" or
     "gpipe"), ``balance`` (explicit layers per stage) or ``balance_by`` ("params", "time",
-    "memory"; the last two need ``sample_input``), ``split_points`` (block names where
+    "memory"; the last two need ``sample_input``; with virtual stages one entry per piece),
+    ``virtual_stages`` (chunks per worker, layer lists only), ``split_points`` (block names where
     stages start, for a model that is not a layer list), ``recompute`` (keep only each stage's
     input per micro-batch and recompute the rest in backward), ``bucket_mb`` (gradient
     all-reduce buckets across replicas), ``tensor`` (workers each stage's split layers are
@@ -169,6 +179,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         bucket_mb: float = 25.0,
         split_points: list[str] | None = None,
         tensor: int | None = None,
+        virtual_stages: int | None = None,
         tp_plan: dict[str, str] | str | None = None,
         **shared: Any,
     ) -> None:
@@ -177,20 +188,26 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         schedule, the mesh, this stage's cut, its replicas, its optimizer, its link."""
         super().__init__(model, layout=layout, **shared)
         require_process_group(self.name)
-        stages, tensor = layout.stages, layout.tensor
+        stages, tensor, chunks = layout.stages, layout.tensor, layout.virtual_stages
         if tensor > 1:
             refuse_tensor_for_split_points(model)
+        refuse_for_virtual_stages(model, chunks, tensor=tensor)
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-        balance = self._check_cut(model, stages, balance, balance_by, split_points, recompute)
+        pieces = stages * chunks
+        balance = self._check_cut(model, pieces, balance, balance_by, split_points, recompute)
         self.micro_batches = micro_batches_per_replica(stages, micro_batches)
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}.")
         self.schedule_name = schedule
-        self.actions = get_schedule(schedule)(stages, self.micro_batches)
+        self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
+        self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
+        if self.split_backward:
+            refuse_for_split_backward(model, schedule, recompute=recompute, tensor=tensor)
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
-        self.slice: LayerSlice | None = None
+        self.slice: LayerPieces | None = None
         self.named: NamedStage | None = None
+        self._chunk_modules: list[nn.Module] = []
         if is_layer_list(model):
             self._cut_layer_list(model, balance, balance_by, sample_input, tp_plan)
         else:
@@ -200,22 +217,21 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.recompute = recompute
         self._start_replicas(bucket_mb)
         self.optimizer = self._stage_optimizer()
-        self.link = StageLink(
-            self._device,
-            prev_rank=None if self.mesh.is_first else self.mesh.prev_rank,
-            next_rank=None if self.mesh.is_last else self.mesh.next_rank,
-            window=stages,
+        links = chunk_links(self.mesh, self._device, chunks, window=stages)
+        self.chunks: list[Chunk] = build_chunks(
+            self._chunk_modules or [self.module], links, self.mesh
         )
+        self.link = links[-1]  # the last chunk's: the step's loss travels along it
         self._totals: LossTotals | None = None  # the step's losses, on the last stage
         self._step_loss: torch.Tensor | None = None
         self.events: list[dict[str, Any]] = []
         self.runner = ScheduleRunner(
-            self.actions, self.mesh.stage, link=self.link, memory=self.memory, events=self.events
+            self.actions, self.mesh.stage, links=links, memory=self.memory, events=self.events
         )
         self.memory.watch(
             self._params,
             model_state=self.model_state_bytes,
-            communication=self.link.held_bytes,
+            communication=lambda: sum(link.held_bytes() for link in links),
         )
 
     @staticmethod
@@ -276,17 +292,20 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         """Keep this stage's slice of the layer list, its planned layers split over the
         tensor group; the other layers go to meta."""
         layers, prefix = layer_list(model)
+        stages, chunks = self.mesh.stages, self.degrees.virtual_stages
         self.balance = choose_balance(
             layers,
-            self.mesh.stages,
+            stages * chunks,
             balance=balance,
             balance_by=balance_by,
             sample_input=sample_input,
         )
         self.split_points = None
         bounds = stage_bounds(self.balance)
+        pieces = [range(*bounds[j]) for j in held_pieces(self.mesh.stage, stages, chunks)]
+        held = [index for piece in pieces for index in piece]
         start, end = bounds[self.mesh.stage]
-        if self.mesh.tensor > 1:
+        if self.mesh.tensor > 1:  # one chunk (virtual stages refuse tensor)
             mine = [layers[i] for i in range(start, end)]
             # the members cut their slices from one stage, their first member's
             state = [t for layer in mine for t in (*layer.parameters(), *layer.buffers())]
@@ -294,14 +313,17 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             only = {f"{prefix}{i}" for i in range(start, end)}
             self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan, only=only)
             layers, prefix = layer_list(model)  # a split layer of the list is a new module
-        self.slice = LayerSlice(start, end, prefix)
-        self.ties = CrossStageTies(layer_list_stages(layers, bounds, prefix), self.mesh)
-        kept = {id(p) for index in range(start, end) for p in layers[index].parameters()}
+        self.slice = LayerPieces(tuple(held), prefix)
+        owners = layer_list_stages(layers, bounds, prefix, stages=stages)
+        self.ties = CrossStageTies(owners, self.mesh)
+        kept = {id(p) for index in held for p in layers[index].parameters()}
         for index, layer in enumerate(layers):
-            if not start <= index < end:
+            if index not in held:
                 release_shared(layer, kept)  # a tied Parameter stays whole on this stage
                 layer.to("meta")  # frees the memory of layers other stages own
-        self.module = nn.Sequential(*[layers[i] for i in range(start, end)]).to(self._device)
+        self.module = nn.Sequential(*[layers[i] for i in held]).to(self._device)
+        if chunks > 1:  # each chunk calls its own layers (shared with ``module``)
+            self._chunk_modules = [nn.Sequential(*[layers[i] for i in p]) for p in pieces]
 
     def _full_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every name of this stage's parameters (tied ones under each name they have)."""
@@ -348,6 +370,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             "balance": self.balance,
             "recompute": self.recompute,
             **({"split_points": self.split_points} if self.split_points is not None else {}),
+            **({"virtual_stages": len(self.chunks)} if len(self.chunks) > 1 else {}),
         }
 
     def timeline_identity(self) -> dict[str, Any]:
@@ -415,7 +438,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             self.buffer_sync.before_forward(training=False)
         share_in = split_micro(take_share(inputs, self.mesh.replica, replicas), micro)
         share_tgt = split_micro(take_share(targets, self.mesh.replica, replicas), micro)
-        self.link.begin_round(micro, expect_loss=True)
+        for chunk in self.chunks:
+            chunk.link.begin_round(micro, expect_loss=chunk.link is self.link)
         totals = LossTotals(
             self.loss_fn,
             targets,
@@ -423,17 +447,18 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             parts=micro * replicas,
             device=self._device,
         )
-        for m in range(micro):
+        for m, chunk in ((m, chunk) for m in range(micro) for chunk in self.chunks):
             inputs = to_device(share_in[m], self._device) if self._needs_inputs else None
-            x = inputs if self.mesh.is_first else self.link.recv_activation(m)
+            x = inputs if chunk.first else chunk.link.recv_activation(m)
             with self.precision.autocast(self._device):
-                y = self._run_stage(x, recompute=False, inputs=inputs)
-                if self.mesh.is_last:
+                y = self._run_stage(x, chunk, recompute=False, inputs=inputs)
+                if chunk.last:
                     totals.add(self.loss_fn(y, to_device(share_tgt[m], self._device)))
-            if not self.mesh.is_last:
-                self.link.send_activation(y, m)
+            if not chunk.last:
+                chunk.link.send_activation(y, m)
         loss = self._pass_loss_back(totals.contribution)
-        self.link.flush()
+        for chunk in self.chunks:
+            chunk.link.flush()
         self.module.train(was_training)
         if replicas > 1:
             loss = loss.reshape(1)
@@ -504,60 +529,95 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         passes = _RoundPasses(self, micro_in, micro_tgt, scale)
         self.runner.run_round(passes, micro_batches=micro, step=self.steps_taken + 1, final=final)
 
-    def _forward(self, m, micro_in, micro_tgt, held, scale: float) -> float:
-        """Receive (or take) micro-batch ``m``, run the stage, pass the result on.
+    def _forward(self, m, c, micro_in, micro_tgt, held, scale: float) -> float:
+        """Receive (or take) micro-batch ``m``, run chunk ``c``, pass the result on.
 
         Returns when the computation started, after the input arrived, so that waiting for
         a neighbour shows as idle time on the timeline, not as work.
         """
+        chunk = self.chunks[c]
         inputs = to_device(micro_in[m], self._device) if self._needs_inputs else None
-        if self.mesh.is_first:
+        if chunk.first:
             x = inputs
         else:
-            x = self.link.recv_activation(m)
+            x = chunk.link.recv_activation(m)
             for leaf in _floating_leaves(x):  # their gradients go back to the stage before
                 leaf.requires_grad_(True)
         start = time.perf_counter()
-        with self.memory.forward(m), self.precision.autocast(self._device):
-            y = self._run_stage(x, recompute=self.recompute, inputs=inputs)
-            if self.mesh.is_last:
+        tape = LayerTape() if self.split_backward else None
+        with self.memory.forward(_key(m, c)), self.precision.autocast(self._device):
+            y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs, tape=tape)
+            if chunk.last:
                 loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
                 loss_scale = self.precision.loss_factor()
                 y = self._totals.scaled(loss, self.precision.loss_factor(scale), loss_scale)
-        if not self.mesh.is_last:
-            self.link.send_activation(y, m)
-            self.link.expect_gradient(m, y)
-        held[m] = (x, y)
+        if not chunk.last:
+            chunk.link.send_activation(y, m)
+            chunk.link.expect_gradient(m, y)
+        held[m, c] = (x, y, tape)
         return start
 
-    def _backward(self, m, held, *, last: bool) -> float:
+    def _backward(self, m, c, held, *, last: bool) -> float:
         """Backward of micro-batch ``m`` once its output gradient arrived; send the input's.
 
         The step's last backward also passes the step's loss towards stage 0 and arms the
         gradient all-reduce across replicas, whose extra slot averages that loss too.
         """
-        x, y = held.pop(m)
-        grad = None if self.mesh.is_last else self.link.recv_gradient(m)
+        chunk = self.chunks[c]
+        x, y, tape = held[m, c] if self.split_backward else held.pop((m, c))
+        grad = None if chunk.last else chunk.link.recv_gradient(m)
         if last:
             self._step_loss = self._pass_loss_back(self._totals.contribution)
             if self.reducer is not None:  # the replicas' contributions add up to the loss
                 self.reducer.arm(extras=self._step_loss)
         start = time.perf_counter()
-        with self.memory.recording(m):
-            if self.mesh.is_last:
+        with self.memory.recording(_key(m, c)):
+            pairs = None
+            if not chunk.last:
+                leaves = zip(_floating_leaves(y), grad, strict=True)
+                pairs = [(out, g) for out, g in leaves if out.requires_grad]
+            if tape is not None:
+                self._backward_input(tape, x, y, pairs)
+            elif pairs is None:
                 if y.requires_grad:
                     y.backward()
-            else:
-                pairs = [
-                    (out, g)
-                    for out, g in zip(_floating_leaves(y), grad, strict=True)
-                    if out.requires_grad
-                ]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self.memory.release(m)
-        if not self.mesh.is_first:
-            self.link.send_gradient(x, m)
+            elif pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if tape is None:
+            self.memory.release(_key(m, c))
+        if not chunk.first:
+            chunk.link.send_gradient(x, m)
+        return start
+
+    @staticmethod
+    def _backward_input(tape: LayerTape, x: Any, y: Any, pairs: list | None) -> None:
+        """B of a split backward: the input's gradients into the received tensors' ``.grad``
+        (which ``send_gradient`` reads); the weights' wait for W (``pairs``: the outputs'
+        gradients, None on the last chunk, whose ``y`` is the loss)."""
+        if pairs is None:
+            grads = tape.backward_input_from_loss(y) if y.requires_grad else []
+        else:
+            by_output = {id(out): g for out, g in pairs}
+            grads = tape.backward_input([by_output[id(out)] for out in tape.outputs])
+        received = [] if x is None else [t for t in _floating_leaves(x) if t.requires_grad]
+        for leaf, grad in zip(received, grads, strict=False):
+            leaf.grad = grad
+
+    def _weight(self, m: int, c: int, held, *, last: bool) -> float:
+        """W of a split backward: micro-batch ``m``'s weight gradients through chunk ``c``.
+
+        The step's last W passes the step's loss towards stage 0 and arms the replicas'
+        reduction after its gradients exist (each layer's W is a backward of its own, so
+        a Parameter used by two layers would count down its bucket twice while armed)."""
+        _, _, tape = held.pop((m, c))
+        if last:
+            self._step_loss = self._pass_loss_back(self._totals.contribution)
+        start = time.perf_counter()
+        with self.memory.recording(_key(m, c)):
+            tape.backward_weight()
+        self.memory.release(_key(m, c))
+        if last and self.reducer is not None:
+            self.reducer.arm(extras=self._step_loss)
         return start
 
     def _clip(self) -> None:
@@ -586,8 +646,16 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         """Every stage of a model cut at split points runs its forward from the inputs."""
         return self.mesh.is_first or self.named is not None
 
-    def _run_stage(self, x: Any, *, recompute: bool, inputs: Any = None) -> Any:
-        """This stage's layers on ``x``: the first stage calls them as the whole model is
+    def _run_stage(
+        self,
+        x: Any,
+        chunk: Chunk,
+        *,
+        recompute: bool,
+        inputs: Any = None,
+        tape: LayerTape | None = None,
+    ) -> Any:
+        """The chunk's layers on ``x``: the first stage calls them as the whole model is
         called (a dict batch as keywords, a tuple as arguments; see ``inputs``); a later
         stage passes what it received as the one input, as ``nn.Sequential`` does between
         layers. With ``recompute`` only the stage's input is kept for backward. A model cut
@@ -595,10 +663,12 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         received tensors taking the place of the split block's arguments."""
         if self.named is not None:
             return self.named.run(inputs, None if self.mesh.is_first else x)
-        args, kwargs = as_arguments(x) if self.mesh.is_first else ((x,), {})
+        args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
+        if tape is not None:  # layer by layer, for a backward split into B and W
+            return tape.run(chunk.module, args, kwargs)
         if recompute:
-            return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
-        return self.module(*args, **kwargs)
+            return checkpoint(chunk.module, *args, use_reentrant=False, **kwargs)
+        return chunk.module(*args, **kwargs)
 
     def _pass_loss_back(self, compute) -> torch.Tensor:
         """The last stage computes the loss; every other stage hears it from the next one
@@ -609,16 +679,27 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         return loss
 
 
+def _key(micro: int, chunk: int) -> int | tuple[int, int]:
+    """The memory ledger's key of a micro-batch's pass through a chunk (the micro-batch
+    alone for the first chunk, as plain schedules always keyed it)."""
+    return micro if chunk == 0 else (micro, chunk)
+
+
 class _RoundPasses:
     """One round's ``StagePasses`` for the runner: the engine's forward and backward of a
     micro-batch, with the round's micro-batches, loss scale and held activations."""
 
     def __init__(self, engine: PipelineEngine, micro_in: Any, micro_tgt: Any, scale: float):
         self.engine, self.micro_in, self.micro_tgt, self.scale = engine, micro_in, micro_tgt, scale
-        self.held: dict[int, tuple[Any, Any]] = {}
+        self.held: dict[tuple[int, int], tuple[Any, Any, LayerTape | None]] = {}
 
-    def forward(self, micro: int) -> float:
-        return self.engine._forward(micro, self.micro_in, self.micro_tgt, self.held, self.scale)
+    def forward(self, micro: int, chunk: int) -> float:
+        return self.engine._forward(
+            micro, chunk, self.micro_in, self.micro_tgt, self.held, self.scale
+        )
 
-    def backward(self, micro: int, *, last: bool) -> float:
-        return self.engine._backward(micro, self.held, last=last)
+    def backward(self, micro: int, chunk: int, *, last: bool) -> float:
+        return self.engine._backward(micro, chunk, self.held, last=last)
+
+    def weight(self, micro: int, chunk: int, *, last: bool) -> float:
+        return self.engine._weight(micro, chunk, self.held, last=last)

@@ -52,8 +52,17 @@ SPLIT_POINTS = StrategyOption(
     parse=parse_split_points,
 )
 
+VIRTUAL_STAGES = StrategyOption(
+    "virtual_stages",
+    int,
+    1,
+    "model chunks per stage; above 1 the 1f1b schedule runs interleaved",
+    minimum=1,
+)
+
 OPTIONS = (
     STAGES,
+    VIRTUAL_STAGES,
     MICRO_BATCHES,
     SCHEDULE,
     BALANCE,

@@ -17,6 +17,11 @@ smaller last batch) at the cost of one small message per round. An activation ma
 tensor or a tuple/list/dict of tensors; each tensor travels as its own message. Gradients
 need no header: the stage that receives a gradient produced its activation, and gradients
 travel for its floating-point tensors only.
+
+Channels: with an interleaved schedule a worker holds several chunks, each with a link of
+its own, and two workers exchange the messages of several chunks. Each side of a link
+therefore has a channel (the index of the boundary between two virtual stages) that offsets
+every tag, so the chunks' messages never meet; plain schedules use channel 0 on both sides.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from paratrain.runtime import comm
 
 HEADER_TAG, LOSS_TAG = 1, 2
 _ACTIVATION_TAGS, _GRADIENT_TAGS = 1 << 20, 2 << 20
+CHANNEL_STRIDE = 4 << 20
+"""Tags of one channel: room for every kind above, below the next channel's."""
 
 
 def _tag(base: int, micro: int, leaf: int) -> int:
@@ -50,9 +57,18 @@ class StageLink:
     """Point-to-point messages of one stage with the stage before and the stage after it."""
 
     def __init__(
-        self, device: torch.device, *, prev_rank: int | None, next_rank: int | None, window: int
+        self,
+        device: torch.device,
+        *,
+        prev_rank: int | None,
+        next_rank: int | None,
+        window: int,
+        channels: tuple[int, int] = (0, 0),
     ) -> None:
+        """``channels``: the channel of the side towards ``prev_rank`` and of the side
+        towards ``next_rank`` (see the module docstring)."""
         self.device, self.prev_rank, self.next_rank = device, prev_rank, next_rank
+        self._prev_offset, self._next_offset = (c * CHANNEL_STRIDE for c in channels)
         self.window = max(1, window)
         self._sends: list[tuple[object, torch.Tensor]] = []
         self._activations: dict[int, list[tuple[object, torch.Tensor]]] = {}
@@ -70,20 +86,22 @@ class StageLink:
         self._micro_batches, self._next_to_post, self._shape = micro_batches, 0, None
         if self.prev_rank is not None:
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-            self._header = (self._irecv(header, self.prev_rank, HEADER_TAG), header)
+            tag = self._prev_offset + HEADER_TAG
+            self._header = (self._irecv(header, self.prev_rank, tag), header)
         if expect_loss and self.next_rank is not None:
             loss = torch.empty(1, device=self.device)
-            self._loss = (self._irecv(loss, self.next_rank, LOSS_TAG), loss)
+            self._loss = (self._irecv(loss, self.next_rank, self._next_offset + LOSS_TAG), loss)
 
     # -- sending -------------------------------------------------------------------------
 
     def send_activation(self, value: Any, micro: int) -> None:
         """Send a stage's output: a tensor or a tuple/list/dict of tensors."""
         if micro == 0:
-            self._isend(encode_header(value, self.device), self.next_rank, HEADER_TAG)
+            header = encode_header(value, self.device)
+            self._isend(header, self.next_rank, self._next_offset + HEADER_TAG)
         leaves, _ = flatten(value)
         for index, leaf in enumerate(leaves):
-            tag = _tag(_ACTIVATION_TAGS, micro, index)
+            tag = self._next_offset + _tag(_ACTIVATION_TAGS, micro, index)
             self._isend(leaf.detach().contiguous(), self.next_rank, tag)
 
     def send_gradient(self, value: Any, micro: int) -> None:
@@ -93,12 +111,12 @@ class StageLink:
         for index in floating(leaves):
             leaf = leaves[index]
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self._isend(
-                grad.detach().contiguous(), self.prev_rank, _tag(_GRADIENT_TAGS, micro, index)
-            )
+            tag = self._prev_offset + _tag(_GRADIENT_TAGS, micro, index)
+            self._isend(grad.detach().contiguous(), self.prev_rank, tag)
 
     def send_loss(self, value: torch.Tensor) -> None:
-        self._isend(value.detach().reshape(1).float().clone(), self.prev_rank, LOSS_TAG)
+        loss = value.detach().reshape(1).float().clone()
+        self._isend(loss, self.prev_rank, self._prev_offset + LOSS_TAG)
 
     # -- receiving -----------------------------------------------------------------------
 
@@ -120,7 +138,7 @@ class StageLink:
         posted = []
         for index in floating(leaves):
             buffer = torch.empty_like(leaves[index])
-            tag = _tag(_GRADIENT_TAGS, micro, index)
+            tag = self._next_offset + _tag(_GRADIENT_TAGS, micro, index)
             posted.append((self._irecv(buffer, self.next_rank, tag), buffer))
         self._gradients[micro] = posted
 
@@ -160,7 +178,7 @@ class StageLink:
             posted = []
             for index, (dtype, shape) in enumerate(leaves):
                 buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                tag = _tag(_ACTIVATION_TAGS, micro, index)
+                tag = self._prev_offset + _tag(_ACTIVATION_TAGS, micro, index)
                 posted.append((self._irecv(buffer, self.prev_rank, tag), buffer))
             self._activations[micro] = posted
             self._next_to_post += 1

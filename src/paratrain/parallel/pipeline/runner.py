@@ -9,9 +9,12 @@ knows nothing of the order: a new schedule is a new list (registered in
 
 The engine supplies the passes (``StagePasses``): run micro-batch ``m`` forward through
 this stage, or backward, where the step's final backward (``last``) also carries the
-step's loss and arms the replicas' gradient reduction. Actions of a second chunk
-(interleaved schedules, several virtual stages per worker) are refused: a stage here
-holds one contiguous slice of the model.
+step's loss and arms the replicas' gradient reduction. A zero-bubble schedule splits the
+backward: ``B`` then computes the input's gradient only and ``W`` the weights'; the
+step's last gradient is then a W's, so the last W is the one marked ``last``. An
+interleaved schedule gives a worker several chunks (virtual stages); each action names
+its chunk, and each chunk has its own link, the last chunk's carrying the step's loss
+back towards stage 0.
 """
 
 from __future__ import annotations
@@ -21,9 +24,14 @@ from typing import Any, Protocol
 
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.pipeline.p2p import StageLink
-from paratrain.parallel.pipeline.schedules import Action, Schedule, ScheduleError
+from paratrain.parallel.pipeline.schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    splits_backward,
+)
 
-EVENT_KINDS = {"F": "forward", "B": "backward"}
+EVENT_KINDS = {"F": "forward", "B": "backward", "W": "weight"}
 """An action's kind as the timeline names it."""
 
 
@@ -31,9 +39,11 @@ class StagePasses(Protocol):
     """What a stage does for one action; each returns when its computation started
     (after its input arrived), so that waiting shows as idle time on the timeline."""
 
-    def forward(self, micro: int) -> float: ...
+    def forward(self, micro: int, chunk: int) -> float: ...
 
-    def backward(self, micro: int, *, last: bool) -> float: ...
+    def backward(self, micro: int, chunk: int, *, last: bool) -> float: ...
+
+    def weight(self, micro: int, chunk: int, *, last: bool) -> float: ...
 
 
 class ScheduleRunner:
@@ -44,43 +54,53 @@ class ScheduleRunner:
         schedule: Schedule,
         stage: int,
         *,
-        link: StageLink,
+        links: list[StageLink],
         memory: MemoryTracker,
         events: list[dict[str, Any]],
     ) -> None:
+        """``links``: one per chunk this stage holds, in chunk order."""
         self.actions: list[Action] = list(schedule[stage])
-        chunked = [a for a in self.actions if a.chunk != 0]
-        if chunked:
+        beyond = [a for a in self.actions if a.chunk >= len(links)]
+        if beyond:
             raise ScheduleError(
-                f"the schedule gives stage {stage} action {chunked[0].label(chunks=2)} of "
-                "a second chunk, but each pipeline stage holds one slice of the model; "
-                "choose a schedule with one chunk per stage (gpipe or 1f1b)."
+                f"the schedule gives stage {stage} action "
+                f"{beyond[0].label(chunks=beyond[0].chunk + 1)}, but the stage holds "
+                f"{len(links)} chunk(s); build the schedule with as many chunks as "
+                "virtual_stages."
             )
-        backwards = [i for i, a in enumerate(self.actions) if a.kind == "B"]
+        self.chunked = len(links) > 1
+        ends = "W" if splits_backward(schedule) else "B"
+        backwards = [i for i, a in enumerate(self.actions) if a.kind == ends]
         if not backwards:
             raise ScheduleError(f"the schedule gives stage {stage} no backward pass.")
         self.final_backward = backwards[-1]
-        """The position of the stage's last backward: the one that ends its round."""
-        self.link, self.memory, self.events = link, memory, events
+        """The position of the stage's last pass that makes gradients (B, or W where the
+        backward is split): the one that ends its round."""
+        self.links, self.memory, self.events = links, memory, events
 
     def run_round(self, passes: StagePasses, *, micro_batches: int, step: int, final: bool) -> None:
         """Every action of this stage, in the schedule's order (``step``: the step this
         round belongs to, for the timeline; ``final``: the step's last round)."""
-        self.link.begin_round(micro_batches, expect_loss=final)
+        for index, link in enumerate(self.links):
+            link.begin_round(micro_batches, expect_loss=final and index == len(self.links) - 1)
         for position, action in enumerate(self.actions):
+            last = final and position == self.final_backward
             if action.kind == "F":
-                start = passes.forward(action.micro)
+                start = passes.forward(action.micro, action.chunk)
+            elif action.kind == "B":
+                start = passes.backward(action.micro, action.chunk, last=last)
             else:
-                last = final and position == self.final_backward
-                start = passes.backward(action.micro, last=last)
-            self.events.append(
-                {
-                    "step": step,
-                    "kind": EVENT_KINDS[action.kind],
-                    "micro": action.micro,
-                    "start": start,
-                    "end": time.perf_counter(),
-                }
-            )
+                start = passes.weight(action.micro, action.chunk, last=last)
+            event = {
+                "step": step,
+                "kind": EVENT_KINDS[action.kind],
+                "micro": action.micro,
+                "start": start,
+                "end": time.perf_counter(),
+            }
+            if self.chunked:
+                event["chunk"] = action.chunk
+            self.events.append(event)
             self.memory.book_communication()
-        self.link.flush()
+        for link in self.links:
+            link.flush()

@@ -1,14 +1,18 @@
 """Pipeline schedules as pure per-stage action lists, and a clock simulator to check them.
 
 A schedule says, for each stage, the order in which it runs forward (``F``) and backward
-(``B``) passes of micro-batches. The engine follows the lists; this module proves them
+(``B``) passes of micro-batches. A zero-bubble schedule splits the backward in two: ``B``
+then computes only the gradient of the stage's input (what the previous stage waits for)
+and ``W`` the gradients of the weights (which nobody waits for), so W passes can fill
+the ticks a stage would otherwise idle. The engine follows the lists; this module proves them
 sound without processes: ``simulate`` runs every stage in list order, each action as soon
 as its inputs exist, and raises ``ScheduleDeadlock`` when some stage would wait forever.
 
 Dependencies (virtual stage ``j`` = ``chunk * stages + stage``; plain schedules have one
 chunk, so ``j`` is the stage): ``F(j, m)`` needs ``F(j - 1, m)``; ``B(j, m)`` needs
-``B(j + 1, m)`` and ``F(j, m)``. Messages are assumed not to block the sender (buffered
-or asynchronous sends) and to take no time, so the tables show compute only.
+``B(j + 1, m)`` and ``F(j, m)``; ``W(j, m)`` needs ``B(j, m)``. Messages are assumed not
+to block the sender (buffered or asynchronous sends) and to take no time, so the tables
+show compute only.
 
 Backward passes run in increasing micro-batch order in every schedule here: activations
 and gradients then cross each link in the order they were produced, so a per-link FIFO
@@ -33,11 +37,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_SCHEDULES",
     "Action",
     "Schedule",
     "ScheduleDeadlock",
     "ScheduleError",
     "Timed",
+    "build_schedule",
     "clock_table",
     "get_schedule",
     "gpipe",
@@ -46,6 +52,8 @@ __all__ = [
     "one_f_one_b",
     "simulate",
     "simulated_bubble",
+    "splits_backward",
+    "zb_h1",
 ]
 
 
@@ -62,15 +70,16 @@ class Action:
     """One pass of one micro-batch through one stage (or one chunk of it)."""
 
     kind: str
-    """``"F"`` (forward) or ``"B"`` (backward)."""
+    """``"F"`` (forward), ``"B"`` (backward; of the input only where the schedule has
+    ``W`` actions) or ``"W"`` (the weights' part of a split backward)."""
     micro: int
     """Micro-batch index."""
     chunk: int = 0
     """Virtual stage held by this device (interleaved schedules only)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ScheduleError(f"action kind must be 'F' or 'B', not {self.kind!r}.")
+        if self.kind not in ("F", "B", "W"):
+            raise ScheduleError(f"action kind must be 'F', 'B' or 'W', not {self.kind!r}.")
 
     def label(self, *, chunks: int = 1) -> str:
         """``F3``, or ``F3b`` (chunk 1) when the schedule has several chunks."""
@@ -162,16 +171,94 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> Schedule:
     ]
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zb_h1(stages: int, micro_batches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with its backward
+    split into B and W, the W passes deferred to fill 1F1B's bubble.
+
+    Built by playing the pipeline on a clock where F, B and W each take one tick. A free
+    stage runs, in this order of preference: a W if ``stages`` are pending (B done, W
+    not); its next B if the output gradient has arrived; its next F if fewer
+    than ``stages - s`` micro-batches are between F and B (1F1B's bound); any pending W;
+    else it idles. Every kind runs in micro-batch order. The lists are then plain data
+    (``simulate`` replays them). With F = B = W the bubble is ``(p - 1) / (3m + p - 1)``,
+    the paper's ``(p - 1)(T_F + T_B - T_W)`` per stage, against 1F1B's
+    ``(p - 1) / (m + p - 1)`` (for m >= p). Memory: 1F1B's ``p - s`` micro-batches between
+    F and B, plus at most ``p`` whose W is pending; ``max_in_flight`` counts F to W.
+    """
+    _check_counts(stages, micro_batches)
+    order: list[list[Action]] = [[] for _ in range(stages)]
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> end tick
+    counts = [{"F": 0, "B": 0, "W": 0} for _ in range(stages)]
+    tick, total = 0, 3 * micro_batches * stages
+    while len(done) < total:
+        started = [
+            (kind, s, counts[s][kind])
+            for s in range(stages)
+            if (kind := _zb_h1_choice(s, stages, micro_batches, counts[s], done, tick))
+        ]
+        for kind, s, micro in started:
+            order[s].append(Action(kind, micro))
+            counts[s][kind] += 1
+            done[kind, s, micro] = tick + 1
+        tick += 1
+    return order
+
+
+def _zb_h1_choice(
+    s: int, stages: int, micro_batches: int, count: dict[str, int], done: dict, tick: int
+) -> str | None:
+    """The kind stage ``s`` runs at ``tick`` under ZB-H1's rule (see ``zb_h1``)."""
+
+    def ready(key: tuple[str, int, int]) -> bool:
+        return done.get(key, tick + 1) <= tick
+
+    pending = count["B"] - count["W"]
+    if pending > stages - 1:
+        return "W"
+    b, f = count["B"], count["F"]
+    if b < micro_batches and ready(("F", s, b)):
+        if s == stages - 1 or ready(("B", s + 1, b)):
+            return "B"
+    if f < micro_batches and f - b < stages - s and (s == 0 or ready(("F", s - 1, f))):
+        return "F"
+    return "W" if pending else None
+
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether the schedule splits its backward into B (input) and W (weights)."""
+    return any(a.kind == "W" for actions in schedule for a in actions)
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zb-h1": zb_h1,
+}
+SPLIT_SCHEDULES = ("zb-h1",)
+"""The registered schedules that split the backward into B and W."""
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:
-    """The schedule function registered as ``name`` (``gpipe`` or ``1f1b``)."""
+    """The schedule function registered as ``name`` (``gpipe``, ``1f1b`` or ``zb-h1``)."""
     if name not in SCHEDULES:
         raise ScheduleError(
             f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}."
         )
     return SCHEDULES[name]
+
+
+def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedule:
+    """The action lists of schedule ``name`` with ``chunks`` virtual stages per device:
+    ``1f1b`` over several chunks is interleaved 1F1B; GPipe has no interleaved form here."""
+    build = get_schedule(name)
+    if chunks == 1:
+        return build(stages, micro_batches)
+    if build is not one_f_one_b:
+        raise ScheduleError(
+            f"virtual stages run the interleaved 1F1B schedule, not {name!r}; use "
+            "schedule='1f1b' with virtual_stages > 1, or virtual_stages=1."
+        )
+    return interleaved_1f1b(stages, micro_batches, chunks)
 
 
 @dataclass(frozen=True)
@@ -188,12 +275,14 @@ def _chunk_count(schedule: Schedule) -> int:
 
 
 def _check_schedule(schedule: Schedule) -> None:
-    """Every stage must run each (micro-batch, chunk) forward and backward exactly once."""
+    """Every stage must run each (micro-batch, chunk) forward and backward (and, where the
+    backward is split, weight pass) exactly once."""
     if not schedule:
         raise ScheduleError("a schedule needs at least one stage.")
     expected: set[tuple[int, int]] | None = None
+    kinds = ("F", "B", "W") if splits_backward(schedule) else ("F", "B")
     for stage, actions in enumerate(schedule):
-        for kind in ("F", "B"):
+        for kind in kinds:
             keys = [(a.micro, a.chunk) for a in actions if a.kind == kind]
             if len(set(keys)) != len(keys):
                 raise ScheduleError(f"stage {stage} runs some {kind} action twice.")
@@ -206,20 +295,35 @@ def _check_schedule(schedule: Schedule) -> None:
                 )
 
 
+def _action_ticks(schedule: Schedule, forward: int, backward: int, weight: int) -> dict:
+    """Ticks per kind: a split backward's B takes ``backward - weight``, its W ``weight``."""
+    for name, value in (("forward_ticks", forward), ("backward_ticks", backward)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, not {value!r}.")
+    if not splits_backward(schedule):
+        return {"F": forward, "B": backward}
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight < backward:
+        raise ScheduleError(
+            f"a split backward needs 1 <= weight_ticks < backward_ticks ({backward}), not "
+            f"{weight!r}; give backward_ticks of at least 2."
+        )
+    return {"F": forward, "B": backward - weight, "W": weight}
+
+
 def simulate(
-    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 1
+    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 1, weight_ticks: int = 1
 ) -> list[list[Timed]]:
     """Place every action on an integer clock, each as early as its stage and inputs allow.
 
-    Raises ``ScheduleDeadlock`` naming the stuck stages when no stage can make progress.
+    ``backward_ticks`` is the whole backward; a schedule that splits it runs B for
+    ``backward_ticks - weight_ticks`` and W for ``weight_ticks``, so that schedules with
+    and without the split compare on one clock. Raises ``ScheduleDeadlock`` naming the
+    stuck stages when no stage can make progress.
     """
-    for name, value in (("forward_ticks", forward_ticks), ("backward_ticks", backward_ticks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be a positive integer, not {value!r}.")
+    ticks = _action_ticks(schedule, forward_ticks, backward_ticks, weight_ticks)
     _check_schedule(schedule)
     stages = len(schedule)
     virtual = stages * _chunk_count(schedule)
-    ticks = {"F": forward_ticks, "B": backward_ticks}
     done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> end tick
     placed: list[list[Timed]] = [[] for _ in range(stages)]
     free = [0] * stages
@@ -228,6 +332,8 @@ def simulate(
         j = action.chunk * stages + stage
         if action.kind == "F":
             return [("F", j - 1, action.micro)] if j > 0 else []
+        if action.kind == "W":
+            return [("B", j, action.micro)]
         after = [("B", j + 1, action.micro)] if j < virtual - 1 else []
         return [*after, ("F", j, action.micro)]
 
@@ -262,10 +368,15 @@ def simulate(
 
 
 def clock_table(
-    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 1
+    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 1, weight_ticks: int = 1
 ) -> list[str]:
     """One row per stage, one cell per tick (see the module docstring for the format)."""
-    placed = simulate(schedule, forward_ticks=forward_ticks, backward_ticks=backward_ticks)
+    placed = simulate(
+        schedule,
+        forward_ticks=forward_ticks,
+        backward_ticks=backward_ticks,
+        weight_ticks=weight_ticks,
+    )
     chunks = _chunk_count(schedule)
     makespan = max(slot.end for slots in placed for slot in slots)
     rows: list[list[str]] = []
@@ -281,28 +392,37 @@ def clock_table(
 
 
 def simulated_bubble(
-    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 2
+    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 2, weight_ticks: int = 1
 ) -> float:
     """Idle fraction of all stage-ticks until the last action ends.
 
     For GPipe and 1F1B this equals the textbook ``(p - 1) / (m + p - 1)``.
     """
-    placed = simulate(schedule, forward_ticks=forward_ticks, backward_ticks=backward_ticks)
+    placed = simulate(
+        schedule,
+        forward_ticks=forward_ticks,
+        backward_ticks=backward_ticks,
+        weight_ticks=weight_ticks,
+    )
     makespan = max(slot.end for slots in placed for slot in slots)
     busy = sum(slot.end - slot.start for slots in placed for slot in slots)
     return (len(placed) * makespan - busy) / (len(placed) * makespan)
 
 
 def max_in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most micro-batches (per chunk) whose forward ran but backward not yet.
+    """Per stage, the most micro-batches (per chunk) whose forward ran but backward (its W,
+    where the backward is split: W still needs the activations) not yet.
 
     This bounds the activations a stage holds at once: ``m`` for GPipe, ``min(p - s, m)``
-    for 1F1B. Interleaved schedules count each (micro-batch, chunk) pair once.
+    for 1F1B and ZB-H1. Interleaved schedules count each (micro-batch, chunk) pair once.
     """
+    frees = "W" if splits_backward(schedule) else "B"
     peaks = []
     for actions in schedule:
         held = peak = 0
         for action in actions:
+            if action.kind not in ("F", frees):
+                continue
             held += 1 if action.kind == "F" else -1
             peak = max(peak, held)
         peaks.append(peak)

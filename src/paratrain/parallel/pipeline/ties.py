@@ -42,11 +42,15 @@ def _stage_of(bounds: list[tuple[int, int]], index: int) -> int:
 
 
 def layer_list_stages(
-    layers: nn.Sequential, bounds: list[tuple[int, int]], prefix: str
+    layers: nn.Sequential, bounds: list[tuple[int, int]], prefix: str, *, stages: int = 0
 ) -> list[tuple[str, nn.Parameter, int]]:
-    """(full-model name, Parameter, stage) of every parameter name of a cut layer list."""
+    """(full-model name, Parameter, stage) of every parameter name of a cut layer list.
+
+    ``bounds`` has one range per virtual stage; piece ``j`` lives on stage ``j % stages``
+    (``stages``: the pipeline's, by default one per piece)."""
+    stages = stages or len(bounds)
     return [
-        (f"{prefix}{index}.{name}", param, _stage_of(bounds, index))
+        (f"{prefix}{index}.{name}", param, _stage_of(bounds, index) % stages)
         for index, layer in enumerate(layers)
         for name, param in layer.named_parameters(remove_duplicate=False)
     ]

@@ -32,11 +32,12 @@ __all__ = [
     "median_step",
     "compact_ranges",
     "read_timeline",
+    "schedule_bubble",
     "theoretical_bubble",
     "write_chrome_trace",
 ]
 
-WORK_KINDS = ("forward", "backward")
+WORK_KINDS = ("forward", "backward", "weight")
 
 # Field -> expected type, per record kind. ``float`` accepts integers too; ``int`` refuses
 # booleans (JSON ``true`` would otherwise pass as 1).
@@ -53,7 +54,7 @@ _FIELDS: dict[str, dict[str, type]] = {
     },
     "activation_peak": {"rank": int, "stage": int, "replica": int, "bytes": int},
 }
-_FIELDS["backward"] = _FIELDS["forward"]
+_FIELDS["backward"] = _FIELDS["weight"] = _FIELDS["forward"]
 
 
 class TimelineError(ValueError):
@@ -102,6 +103,34 @@ class Timeline:
     @property
     def replicas(self) -> int:
         return int(self.meta["replicas"])
+
+    @property
+    def virtual_stages(self) -> int:
+        """Chunks per stage (interleaved 1F1B); 1 where the meta line does not say."""
+        return int(self.meta.get("virtual_stages", 1))
+
+    def mean_times(self, replica: int = 0) -> dict[str, float]:
+        """Mean seconds per pass of each kind over the whole run (of those it recorded)."""
+        means = {}
+        for kind in WORK_KINDS:
+            durations = [e.duration for e in self.events if e.kind == kind and e.replica == replica]
+            if durations:
+                means[kind] = sum(durations) / len(durations)
+        return means
+
+    def theory(self, replica: int = 0) -> tuple[float, str]:
+        """This run's theoretical bubble and its formula (``schedule_bubble``), ZB-H1's
+        from the run's own mean F, B and W times."""
+        times = self.mean_times(replica) if self.schedule == "zb-h1" else None
+        if times is not None and len(times) < len(WORK_KINDS):
+            times = None
+        return schedule_bubble(
+            self.schedule,
+            self.stages,
+            self.micro_batches,
+            virtual_stages=self.virtual_stages,
+            times=times,
+        )
 
     def steps(self, *, replica: int = 0) -> list[int]:
         """The optimizer steps that recorded any work on ``replica``, in order."""
@@ -252,6 +281,33 @@ def theoretical_bubble(stages: int, micro_batches: int) -> float:
             f"{micro_batches}."
         )
     return (stages - 1) / (micro_batches + stages - 1)
+
+
+def schedule_bubble(
+    schedule: str,
+    stages: int,
+    micro_batches: int,
+    *,
+    virtual_stages: int = 1,
+    times: dict[str, float] | None = None,
+) -> tuple[float, str]:
+    """The theoretical bubble of ``schedule`` and its formula, for equal stages.
+
+    GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B with ``v`` chunks per stage divides
+    the idle ticks by ``v``: ``(p-1)/(vm+p-1)``. ZB-H1 (Qi et al. 2023) idles
+    ``(p-1)(F+B-W)`` per stage against ``m(F+B+W)`` of work, with ``F``, ``B``, ``W`` the
+    mean forward, input-gradient and weight-gradient times (``times``: ``forward``,
+    ``backward``, ``weight``; equal thirds where not given)."""
+    p, m, v = stages, micro_batches, virtual_stages
+    if schedule == "zb-h1":
+        t = times or {"forward": 1.0, "backward": 1.0, "weight": 1.0}
+        f, b, w = t["forward"], t["backward"], t["weight"]
+        idle = (p - 1) * max(f + b - w, 0.0)
+        work = m * (f + b + w)
+        return (idle / (work + idle) if work + idle > 0 else 0.0), "(p-1)(F+B-W)/(m(F+B+W)+...)"
+    if v > 1:
+        return (p - 1) / (v * m + p - 1), "(p-1)/(vm+p-1)"
+    return theoretical_bubble(p, m), "(p-1)/(m+p-1)"
 
 
 def measured_bubble(timeline: Timeline, *, step: int | None = None, replica: int = 0) -> float:

@@ -22,14 +22,14 @@ from paratrain.parallel.pipeline.timeline import (
     median_step,
     read_timeline,
     step_profile,
-    theoretical_bubble,
     write_chrome_trace,
 )
 from paratrain.parallel.strategy import TIMELINE_FILE
 
 __all__ = ["draw_timeline", "report", "summarize", "timeline_title"]
 
-_COLOURS = {"forward": "#4C8BD6", "backward": "#F28E2B"}
+_COLOURS = {"forward": "#4C8BD6", "backward": "#F28E2B", "weight": "#59A14F"}
+"""Forward blue, backward (the input's gradient, where split) orange, W (weights) green."""
 _MIB = 1 << 20
 _SUMMARY_SKIPS = {"kind", "stages", "micro_batches", "schedule", "replicas"}
 
@@ -67,15 +67,16 @@ def draw_timeline(
     labelled = []
     for ax, (rep, drawn) in zip(axes, chosen, strict=True):
         labelled.append((ax, _draw_step(ax, timeline, drawn, rep)))
+    kinds = [k for k in WORK_KINDS if any(e.kind == k for e in timeline.events)]
+    names = {"backward": "backward (B)" if "weight" in kinds else "backward", "weight": "W"}
     axes[0].legend(
         handles=[
-            Patch(color=_COLOURS["forward"], label="forward"),
-            Patch(color=_COLOURS["backward"], label="backward"),
+            *(Patch(color=_COLOURS[k], label=names.get(k, k)) for k in kinds),
             Patch(facecolor="white", edgecolor="0.6", label="idle"),
         ],
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
-        ncol=3,
+        ncol=len(kinds) + 1,
         frameon=False,
         fontsize=9,
     )
@@ -104,7 +105,7 @@ def draw_timeline(
 
 def timeline_title(timeline: Timeline, step: int, replica: int) -> str:
     """A panel's title: the pipeline's shape, the step drawn and its bubble against theory."""
-    theory = theoretical_bubble(timeline.stages, timeline.micro_batches)
+    theory, formula = timeline.theory(replica)
     median, _ = median_step(timeline, replica)
     which = "the median step by bubble" if step == median else "a chosen step"
     where = f", replica {replica} of {timeline.replicas}" if timeline.replicas > 1 else ""
@@ -112,7 +113,7 @@ def timeline_title(timeline: Timeline, step: int, replica: int) -> str:
         f"{timeline.schedule} pipeline: {timeline.stages} stages x {timeline.micro_batches} "
         f"micro-batches (step {step}{where}, {which})\nbubble measured "
         f"{bubble_of(*step_profile(timeline, step, replica)):.1%} vs theoretical "
-        f"(p-1)/(m+p-1) = {theory:.1%}"
+        f"{formula} = {theory:.1%}"
     )
 
 
@@ -165,7 +166,7 @@ def summarize(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     timeline = read_timeline(_timeline_path(run_dir))
     p, m = timeline.stages, timeline.micro_batches
-    theory = theoretical_bubble(p, m)
+    theory, formula = timeline.theory()
     lines = [
         f"paratrain report {run_dir}: pipeline timeline",
         _field("  ", "schedule", timeline.schedule),
@@ -173,7 +174,7 @@ def summarize(run_dir: str | Path) -> str:
         _field("  ", "micro-batches", m),
         _field("  ", "replicas", timeline.replicas),
         *(_field("  ", k, v) for k, v in timeline.meta.items() if k not in _SUMMARY_SKIPS),
-        _field("  ", "theoretical bubble", f"{theory:.1%}  = (p-1)/(m+p-1)"),
+        _field("  ", "theoretical bubble", f"{theory:.1%}  = {formula}"),
     ]
     for replica in range(timeline.replicas):
         if not timeline.steps(replica=replica):
@@ -204,7 +205,9 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
         _field(indent, "drawn step", f"{drawn} (its bubble is the median; timeline.png)"),
     ]
     peaks = {s: b for (r, s), b in timeline.activation_peaks.items() if r == replica}
+    split = any(e.kind == "weight" for e in timeline.events)
     header = f"{indent}  stage   busy ms/step   idle   fwd ms/micro   bwd ms/micro"
+    header += "     W ms/micro" if split else ""
     lines += [
         f"{indent}per stage (medians over the same steps):",
         header + ("   activation peak" if peaks else ""),
@@ -225,6 +228,7 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
             f"{indent}  {stage:>5}   {busy:>12.3f}   {idle:>4.0%}   "
             f"{mean_ms['forward']:>12.3f}   {mean_ms['backward']:>12.3f}"
         )
+        row += f"   {mean_ms['weight']:>12.3f}" if split else ""
         if peaks:
             peak = f"{peaks[stage] / _MIB:.1f} MiB" if stage in peaks else "-"
             row += f"   {peak:>15}"

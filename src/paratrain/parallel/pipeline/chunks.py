@@ -1,0 +1,101 @@
+"""One worker's chunks of the model: what each virtual stage it runs holds and talks to.
+
+With ``virtual_stages = v`` the layer list is cut into ``p x v`` pieces and piece
+``j = c * p + s`` (virtual stage ``j``) lives on stage ``s`` as its chunk ``c``
+(Megatron-LM's interleaved layout): a worker holds ``v`` non-adjacent pieces, so that the
+interleaved 1F1B schedule (``schedules.interleaved_1f1b``) can divide the bubble by ``v``.
+Each chunk has its own link: its activations come from virtual stage ``j - 1`` (stage
+``s - 1``, or for ``s = 0`` the last stage's previous chunk) and go to ``j + 1``. The links'
+channels are the boundaries' indices, so the chunks' messages between one pair of workers
+never meet (``p2p``). With ``v = 1`` there is one chunk, the whole stage, on channel 0:
+the messages of plain schedules are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paratrain.parallel.layers import is_layer_list
+from paratrain.parallel.pipeline.p2p import StageLink
+from paratrain.runtime.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One virtual stage on this worker."""
+
+    module: nn.Module
+    """Its layers, called one after another."""
+    link: StageLink
+    """Its messages with the neighbouring virtual stages."""
+    first: bool
+    """Virtual stage 0: it takes the batch's inputs."""
+    last: bool
+    """The last virtual stage: it computes the loss."""
+
+
+def refuse_for_virtual_stages(model: nn.Module, chunks: int, *, tensor: int) -> None:
+    """Refuse, in one sentence, what virtual stages do not compose with here."""
+    if chunks == 1:
+        return
+    if not is_layer_list(model):
+        raise ValueError(
+            f"virtual_stages={chunks} cuts a layer list into stages x virtual_stages pieces, "
+            "but this model is cut at named split points; use virtual_stages=1 for it."
+        )
+    if tensor > 1:
+        raise ValueError(
+            f"virtual_stages={chunks} does not compose with tensor={tensor} yet; use "
+            "virtual_stages=1 with tensor, or tensor=1 with virtual stages."
+        )
+
+
+def held_pieces(stage: int, stages: int, chunks: int) -> list[int]:
+    """The pieces (virtual stages) stage ``stage`` holds, in chunk order."""
+    return [chunk * stages + stage for chunk in range(chunks)]
+
+
+def chunk_links(mesh: Mesh, device: torch.device, chunks: int, *, window: int) -> list[StageLink]:
+    """One link per chunk of this worker (see the module docstring)."""
+    if chunks == 1:  # the plain pipeline's one link, its tags as they always were
+        return [
+            StageLink(
+                device,
+                prev_rank=None if mesh.is_first else mesh.prev_rank,
+                next_rank=None if mesh.is_last else mesh.next_rank,
+                window=window,
+            )
+        ]
+    stages, stage = mesh.stages, mesh.stage
+    last = stages * chunks - 1
+    links = []
+    for piece in held_pieces(stage, stages, chunks):
+        prev_rank = mesh.rank_of((stage - 1) % stages) if piece > 0 else None
+        next_rank = mesh.rank_of((stage + 1) % stages) if piece < last else None
+        links.append(
+            StageLink(
+                device,
+                prev_rank=prev_rank,
+                next_rank=next_rank,
+                window=window,
+                channels=(piece, piece + 1),
+            )
+        )
+    return links
+
+
+def build_chunks(modules: list[nn.Module], links: list[StageLink], mesh: Mesh) -> list[Chunk]:
+    """This worker's chunks from their modules and links, in chunk order."""
+    chunks = len(modules)
+    return [
+        Chunk(
+            module,
+            link,
+            first=mesh.is_first and index == 0,
+            last=mesh.is_last and index == chunks - 1,
+        )
+        for index, (module, link) in enumerate(zip(modules, links, strict=True))
+    ]

@@ -1,0 +1,150 @@
+"""A stage's backward split in two, as zero-bubble schedules need: B, then W.
+
+B computes the gradient of the stage's input (what the previous stage waits for); W the
+gradients of the stage's weights (which nobody waits for), later, where the schedule has
+an idle slot. Why layer by layer: ``torch.autograd.grad`` towards the input alone skips
+the weights' matrix products, but a later backward towards the weights from the stage's
+output would redo every layer's input-gradient chain. So the forward runs the layers one
+at a time and cuts the graph between them (each layer's input is a detached copy that
+requires grad, as a stage's received input is). B walks the layers down, asking each for
+its input's gradient only and keeping the gradient that reached its output; W then asks
+each layer, from that output gradient, for its weights' gradients. Only work inside a
+layer whose weights sit below a non-linear path to its input (an attention block's inner
+projections) is done twice; a layer list of linear layers does each product once.
+
+Exact: every gradient is the same product of the same tensors as in one backward; a
+Parameter used by several layers gets each layer's share from that layer's W, summed by
+autograd's accumulation as one backward would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.parallel.layers import is_layer_list
+from paratrain.parallel.pipeline.structure import flatten, floating, unflatten
+
+
+def _graph_leaves(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``value`` that carry a graph (need a gradient)."""
+    leaves, _ = flatten(value)
+    return [leaves[i] for i in floating(leaves) if leaves[i].requires_grad]
+
+
+def _cut(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` with its graph-carrying tensors replaced by detached copies that require
+    grad (the next layer's inputs), and those copies, in ``_graph_leaves`` order."""
+    leaves, spec = flatten(value)
+    cut, fresh = list(leaves), []
+    for index in floating(leaves):
+        if leaves[index].requires_grad:
+            cut[index] = leaves[index].detach().requires_grad_(True)
+            fresh.append(cut[index])
+    return unflatten(spec, cut), fresh
+
+
+@dataclass
+class _Layer:
+    inputs: list[torch.Tensor]
+    """The layer's inputs that need a gradient (cut from the layer below)."""
+    outputs: list[torch.Tensor]
+    """Its outputs that carry a graph."""
+    params: list[nn.Parameter]
+    """Its trainable parameters."""
+    grads: list[torch.Tensor] = field(default_factory=list)
+    """The gradient B saw reach each output, kept for W."""
+
+
+class LayerTape:
+    """One micro-batch's forward through one chunk, layer by layer, ready for B then W."""
+
+    def __init__(self) -> None:
+        self.layers: list[_Layer] = []
+
+    def run(self, layers: nn.Sequential, args: tuple, kwargs: dict) -> Any:
+        """Call the layers as ``nn.Sequential`` would (the first on ``args``/``kwargs``,
+        each next on the previous one's output), cutting the graph between them."""
+        inputs = [leaf for value in (*args, *kwargs.values()) for leaf in _graph_leaves(value)]
+        value = None
+        for index, layer in enumerate(layers):
+            if index:
+                value, inputs = _cut(value)
+                value = layer(value)
+            else:
+                value = layer(*args, **kwargs)
+            params = [p for p in layer.parameters() if p.requires_grad]
+            self.layers.append(_Layer(inputs, _graph_leaves(value), params))
+        return value
+
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        """The chunk's outputs that carry a graph (its top layer's), in message order."""
+        return self.layers[-1].outputs
+
+    def backward_input(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """B: from the gradients of the chunk's ``outputs``, the gradients of its first
+        layer's inputs, in their order."""
+        for layer in reversed(self.layers):
+            layer.grads = list(grads)
+            grads = self._input_grads(layer)
+        return grads
+
+    def backward_input_from_loss(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """B of the last chunk, whose loss follows its top layer."""
+        found = torch.autograd.grad(loss, self.outputs, retain_graph=True, allow_unused=True)
+        grads = [
+            torch.zeros_like(o) if g is None else g
+            for o, g in zip(self.outputs, found, strict=True)
+        ]
+        return self.backward_input(grads)
+
+    @staticmethod
+    def _input_grads(layer: _Layer) -> list[torch.Tensor]:
+        if not layer.inputs:
+            return []
+        if not layer.outputs:
+            return [torch.zeros_like(i) for i in layer.inputs]
+        found = torch.autograd.grad(
+            layer.outputs,
+            layer.inputs,
+            layer.grads,
+            retain_graph=bool(layer.params),  # W will walk this layer's graph again
+            allow_unused=True,
+        )
+        return [
+            torch.zeros_like(i) if g is None else g
+            for i, g in zip(layer.inputs, found, strict=True)
+        ]
+
+    def backward_weight(self) -> None:
+        """W: each layer's weight gradients from the output gradient B kept, accumulated
+        into ``.grad``; the tape's graph is freed."""
+        for layer in self.layers:
+            if layer.params and layer.outputs:
+                torch.autograd.backward(layer.outputs, layer.grads, inputs=layer.params)
+        self.layers = []
+
+
+def refuse_for_split_backward(
+    model: nn.Module, schedule: str, *, recompute: bool, tensor: int
+) -> None:
+    """Refuse, in one sentence, what a backward split into B and W does not compose with."""
+    if not is_layer_list(model):
+        raise ValueError(
+            f"schedule={schedule!r} splits the backward layer by layer, so it needs a layer "
+            "list; use schedule='1f1b' for a model cut at named split points."
+        )
+    if recompute:
+        raise ValueError(
+            f"schedule={schedule!r} keeps each layer's graph from B until W, which recompute "
+            "would rebuild twice; use recompute=False or schedule='1f1b'."
+        )
+    if tensor > 1:
+        raise ValueError(
+            f"schedule={schedule!r} does not compose with tensor={tensor} yet; use "
+            "schedule='1f1b' with tensor, or tensor=1."
+        )

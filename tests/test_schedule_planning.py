@@ -1,0 +1,109 @@
+"""Schedules as the planner and the report see them: activations in flight, the bubble's
+theory per schedule, W drawn and timed apart.
+
+Tolerances: the ideal timelines below are built from the schedule simulator's integer
+ticks scaled to milliseconds, so every duration and sum is exact in binary up to the
+final divisions; ``abs=1e-12`` (as in ``test_timeline``) is a thousandfold margin.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.parallel.pipeline.cost import idle_slots, in_flight
+from paratrain.parallel.pipeline.description import PipelineStrategy
+from paratrain.parallel.pipeline.schedules import build_schedule, simulate
+from paratrain.parallel.pipeline.timeline import (
+    measured_bubble,
+    read_timeline,
+    schedule_bubble,
+)
+from paratrain.parallel.pipeline.timeline_report import summarize
+
+KINDS = {"F": "forward", "B": "backward", "W": "weight"}
+
+
+def test_each_schedules_theory():
+    assert schedule_bubble("1f1b", 2, 4) == (pytest.approx(1 / 5), "(p-1)/(m+p-1)")
+    assert schedule_bubble("gpipe", 4, 8)[0] == pytest.approx(3 / 11)
+    assert schedule_bubble("1f1b", 4, 8, virtual_stages=2) == (
+        pytest.approx(3 / 19),
+        "(p-1)/(vm+p-1)",
+    )
+    assert schedule_bubble("zb-h1", 4, 8)[0] == pytest.approx(3 / 27)  # F = B = W
+    times = {"forward": 1.0, "backward": 1.0, "weight": 0.5}
+    assert schedule_bubble("zb-h1", 2, 4, times=times)[0] == pytest.approx(1.5 / (10 + 1.5))
+
+
+def test_the_planner_reads_activations_in_flight_off_each_schedule():
+    assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("zb-h1", 4, s, 8) for s in range(4)] == [7, 6, 5, 4]  # F to W
+    # interleaved: (micro-batch, chunk) pairs of half a stage each
+    assert [in_flight("1f1b", 4, s, 8, 2) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert idle_slots("1f1b", 4, 1, 0.5) == 3 and idle_slots("1f1b", 4, 2, 0.5) == 1.5
+    assert idle_slots("zb-h1", 4, 1, 1 / 3) == pytest.approx(1.0)  # F + B - W = F
+
+
+def test_the_planner_proposes_zb_h1_and_virtual_stages_but_not_what_they_refuse():
+    layouts = PipelineStrategy.plan_layouts(4, layer_list=True)
+    assert {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"} in layouts
+    assert {"stages": 4, "micro_batches": 8, "virtual_stages": 2} in layouts
+    assert not any(x.get("schedule") == "zb-h1" and x.get("recompute") for x in layouts)
+    assert not any(x.get("virtual_stages") and x.get("tensor") for x in layouts)
+
+
+def _ideal_run(tmp_path, schedule: str, stages: int, micro: int, chunks: int = 1):
+    """Three steps of ``schedule`` played by the simulator, 1 ms per tick (F 1, B 1, W 1;
+    an unsplit backward 2), written as the engine writes its timeline."""
+    actions = build_schedule(schedule, stages, micro, chunks)
+    placed = simulate(actions, forward_ticks=1, backward_ticks=2, weight_ticks=1)
+    meta = {"kind": "meta", "stages": stages, "micro_batches": micro, "schedule": schedule}
+    records = [{**meta, "replicas": 1, **({"virtual_stages": chunks} if chunks > 1 else {})}]
+    for step in range(3):
+        for stage, slots in enumerate(placed):
+            records += [
+                {
+                    "kind": KINDS[slot.action.kind],
+                    "rank": stage,
+                    "stage": stage,
+                    "replica": 0,
+                    "step": step,
+                    "micro": slot.action.micro,
+                    "start": step + slot.start * 1e-3,
+                    "end": step + slot.end * 1e-3,
+                }
+                for slot in slots
+            ]
+    run = tmp_path / schedule
+    run.mkdir()
+    (run / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "micro", "chunks"),
+    [
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 2, 4, 2),
+        ("1f1b", 4, 8, 2),
+        ("zb-h1", 2, 4, 1),
+        ("zb-h1", 4, 8, 1),
+    ],
+)
+def test_an_ideal_run_measures_its_schedules_theory(tmp_path, schedule, stages, micro, chunks):
+    run = _ideal_run(tmp_path, schedule, stages, micro, chunks)
+    timeline = read_timeline(run / "timeline.jsonl")
+    theory, _ = timeline.theory()
+    assert measured_bubble(timeline, step=1) == pytest.approx(theory, abs=1e-12)
+    text = summarize(run)
+    assert "measured/theory     1.00" in text
+
+
+def test_the_report_times_w_apart(tmp_path):
+    text = summarize(_ideal_run(tmp_path, "zb-h1", 2, 4))
+    assert "theoretical bubble  7.7%  = (p-1)(F+B-W)/(m(F+B+W)+...)" in text
+    assert "W ms/micro" in text
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[3:6] for row in rows] == [["1.000", "1.000", "1.000"]] * 2
