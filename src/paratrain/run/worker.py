@@ -75,7 +75,7 @@ def train_worker(
     config: TrainConfig, run_dir: str, resume_from: str | None = None, attempt: int = 0
 ) -> dict[str, Any]:
     """The loop every worker runs; rank 0 also writes metrics; all write checkpoints."""
-    run = setup(config, run_dir, resume_from)
+    run = setup(config, run_dir, resume_from, attempt)
     notice = TerminationNotice()  # SIGTERM: finish this step, checkpoint, return
     preempted_at = None
     remaining = run.length.steps - run.first + 1
@@ -93,8 +93,11 @@ def train_worker(
     return finish(run, preempted_at, restarts=attempt)
 
 
-def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerRun:
-    """The engine, the loaders, the resumed state, the metrics file and the bar."""
+def setup(
+    config: TrainConfig, run_dir: str, resume_from: str | None, attempt: int = 0
+) -> WorkerRun:
+    """The engine, the loaders, the resumed state, the metrics file and the bar (its
+    config record says where this attempt starts, for the report's markers)."""
     torch.manual_seed(config.seed)
     bundle = load_data(config)
     model = build_model(config.model, **model_options(config, bundle))
@@ -130,7 +133,12 @@ def setup(config: TrainConfig, run_dir: str, resume_from: str | None) -> WorkerR
         mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
         metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror)
         metrics.write(
-            "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
+            "config",
+            workers=comm.world_size(),
+            config=as_dict(config),
+            resumed_from=resume_from,
+            start_step=first - 1,
+            attempt=attempt,
         )
     bar = progress_bar(config, length, enabled=lead, initial=first - 1)
     # A stage without parameters (pipeline) holds no optimizer and nothing to schedule.
