@@ -261,3 +261,61 @@ def test_a_folder_without_metrics_is_refused(tmp_path, capsys):
     write_run(tmp_path / "b", [config()])
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "holds no metrics.jsonl; pass the folder of a paratrain run" in capsys.readouterr().err
+
+
+def test_the_comparison_legend_names_each_run_once(tmp_path):
+    pytest.importorskip("matplotlib")
+    from paratrain.reports.plot import build_figure
+
+    names = ("dp-a", "zero2-b", "ps-c")
+    runs = [
+        load_run(write_run(tmp_path / name, [config(name.split("-")[0]), train(1, 2.0, 0.1)]))
+        for name in names
+    ]
+    figure, _ = build_figure(runs)
+    assert len(figure.legends) == 1
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == list(names)
+    figure.canvas.draw()  # laid out: the legend sits above every panel, not under them
+    top = max(ax.get_window_extent().y1 for ax in figure.axes if ax.get_visible())
+    assert figure.legends[0].get_window_extent().y0 >= top
+
+
+def test_each_later_attempt_is_marked_where_it_took_over(tmp_path):
+    """A resume (attempt 0 of a later launch) and a restart after a failed worker; the
+    config record says the step each started from."""
+    pytest.importorskip("matplotlib")
+    from paratrain.reports.plot import ATTEMPT_GID, PANEL_TITLES, build_figure
+
+    records = [
+        config(),
+        train(1, 2.0, 1.0),
+        train(4, 1.8, 4.0),
+        {**config(), "start_step": 4, "attempt": 0, "resumed_from": "r/checkpoints/step-4"},
+        train(5, 1.7, 1.0),
+        train(6, 1.6, 2.0),
+        {**config(), "start_step": 6, "attempt": 1, "resumed_from": "r/checkpoints/step-6"},
+        train(8, 1.5, 1.5),
+    ]
+    run = load_run(write_run(tmp_path / "run", records))
+    assert [(a.step, a.time_s, a.restart) for a in run.attempts] == [
+        (4, 4.0, False),
+        (6, 6.0, True),
+    ]
+    figure, titles = build_figure([run])
+    axes = dict(zip(titles, figure.axes, strict=False))
+    for title, where in (
+        (PANEL_TITLES["loss_step"], [4, 6]),
+        (PANEL_TITLES["loss_time"], [4.0, 6.0]),
+    ):
+        marks = [line for line in axes[title].lines if line.get_gid() == ATTEMPT_GID]
+        assert [line.get_xdata()[0] for line in marks] == where
+        labels = [text.get_text() for text in axes[title].get_legend().get_texts()]
+        assert labels[-1] == "attempt starts (resume / restart)"
+
+
+def test_an_attempt_recorded_before_its_start_step_is_marked_at_its_first_logged_step(
+    tmp_path,
+):
+    records = [config(), train(2, 2.0, 1.0), config(), train(3, 1.9, 0.5)]
+    run = load_run(write_run(tmp_path / "old", records))
+    assert [(a.step, a.time_s, a.restart) for a in run.attempts] == [(3, 1.0, False)]

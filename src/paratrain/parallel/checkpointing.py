@@ -187,6 +187,14 @@ def _abandon(directory: Path, reason: str) -> None:
         shutil.rmtree(staging_dir(directory), ignore_errors=True)
     if comm.distributed():
         comm.barrier("checkpoint barrier")
+    raise write_refused(directory, reason)
+
+
+def write_refused(directory: Path, reason: str) -> CheckpointWriteError:
+    """The one sentence for a checkpoint the disk refused (``reason``: the OS's words, "No
+    space left on device"), naming the newest complete checkpoint the run keeps. Said
+    alike by every engine (ps's servers write their shards too), once the caller has
+    removed the staging folder."""
     run_dir = (
         directory.parent.parent if directory.parent.name == "checkpoints" else directory.parent
     )
@@ -196,7 +204,7 @@ def _abandon(directory: Path, reason: str) -> None:
         if kept
         else "no complete checkpoint was saved before it"
     )
-    raise CheckpointWriteError(
+    return CheckpointWriteError(
         f"could not save checkpoint {directory}: {reason}; its partial files were removed "
         f"and {kept_line}; free space (or pick a writable --run-dir) and --resume the run."
     )

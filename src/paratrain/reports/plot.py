@@ -4,7 +4,9 @@ Panels: loss against step and against wall time (train solid, eval dashed), samp
 against step, accuracy where any record has it, each worker's peak memory by ledger
 category, and for ps runs the staleness histogram of applied pushes and each worker's
 pushes. Several runs share every axis, one colour per run, so dp against ps or fp32
-against bf16 read off one picture.
+against bf16 read off one picture; a legend at the top names each run's colour. Where a
+run was resumed or restarted, a dash-dotted line in its colour marks where each later attempt
+took over (the ``config`` record each attempt writes says at which step).
 
 Drawn on a bare ``Figure`` with the Agg canvas (no pyplot), so a caller's backend and open
 figures stay as they were.
@@ -17,7 +19,7 @@ from typing import Any
 
 from paratrain.reports.run_data import RunMetrics
 
-__all__ = ["PANEL_TITLES", "draw_runs"]
+__all__ = ["ATTEMPT_GID", "PANEL_TITLES", "build_figure", "draw_runs"]
 
 PANEL_TITLES = {
     "loss_step": "loss against step",
@@ -41,6 +43,16 @@ _UNITS = (("B", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30))
 def draw_runs(runs: list[RunMetrics], path: str | Path) -> list[str]:
     """Write the report picture of ``runs`` to ``path`` (PNG); returns the panel titles,
     in drawing order (what a test or a caller can check without reading pixels)."""
+    fig, titles = build_figure(runs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return titles
+
+
+def build_figure(runs: list[RunMetrics]) -> tuple[Any, list[str]]:
+    """The report's ``Figure`` and its panel titles: the objects a test reads (legends,
+    lines) rather than pixels."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -52,7 +64,7 @@ def draw_runs(runs: list[RunMetrics], path: str | Path) -> list[str]:
         raise ValueError("draw_runs needs at least one run.")
     panels = _panels(runs)
     rows = (len(panels) + 1) // 2
-    fig = Figure(figsize=(13, 0.6 + 3.6 * rows), dpi=110, layout="constrained")
+    fig = Figure(figsize=(13, 0.9 + 3.6 * rows), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, 2, squeeze=False).ravel()
     colours = _run_colours(len(runs))
@@ -61,13 +73,11 @@ def draw_runs(runs: list[RunMetrics], path: str | Path) -> list[str]:
         ax.set_title(PANEL_TITLES[key], loc="left", fontsize=10)
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
-    fig.suptitle(_figure_title(runs), fontsize=11)
-    if len(runs) > 1:
+    if len(runs) > 1:  # the legend names the runs, in place of a title listing them
         _run_legend(fig, runs, colours)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return [PANEL_TITLES[key] for key in panels]
+    else:
+        fig.suptitle(_figure_title(runs), fontsize=11)
+    return fig, [PANEL_TITLES[key] for key in panels]
 
 
 def _panels(runs: list[RunMetrics]) -> list[str]:
@@ -88,7 +98,7 @@ def _figure_title(runs: list[RunMetrics]) -> str:
             f"{run.config.get('dataset', '?')}, strategy {run.strategy}, "
             f"{run.workers if run.workers is not None else '?'} worker(s)"
         )
-    return "paratrain report: " + ", ".join(_label(run) for run in runs)
+    return f"paratrain report: {len(runs)} runs compared"
 
 
 def _label(run: RunMetrics) -> str:
@@ -100,14 +110,16 @@ def _label(run: RunMetrics) -> str:
 
 
 def _run_legend(fig, runs: list[RunMetrics], colours: list) -> None:
-    """One legend for the whole figure naming each run's colour, under the panels."""
+    """One legend naming each run's colour, at the top under the title, where the eye
+    starts (it once sat only under the last panels of a tall figure)."""
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=_label(r)) for r, c in zip(runs, colours, strict=True)]
-    try:  # "outside" places it below the panels under constrained layout (matplotlib 3.7+)
-        fig.legend(handles=handles, loc="outside lower center", ncol=len(runs), fontsize=9)
+    settings = {"handles": handles, "ncol": len(runs), "fontsize": 9, "title": _figure_title(runs)}
+    try:  # "outside" keeps it clear of the panels under constrained layout (matplotlib 3.7+)
+        fig.legend(loc="outside upper center", **settings)
     except ValueError:
-        fig.legend(handles=handles, loc="upper right", ncol=len(runs), fontsize=9)
+        fig.legend(loc="upper right", **settings)
 
 
 def _run_colours(count: int) -> list[str]:
@@ -153,10 +165,40 @@ def _loss_lines(ax, runs: list[RunMetrics], colours: list, x: str) -> None:
                 marker="o",
                 markersize=3,
             )
+    _mark_attempts(ax, runs, colours, x)
     ax.set_xlabel("step" if x == "step" else "wall time since training started (s)")
     ax.set_ylabel("loss")
     ax.grid(color="0.92")
-    _style_legend(ax, runs, colours, [("-", None, "train"), ("--", "o", "eval")])
+    styles = [("-", None, "train"), ("--", "o", "eval")]
+    _style_legend(ax, runs, colours, styles + _attempt_styles(runs))
+
+
+_ATTEMPT_STYLE = "-."  # where an attempt after the first took over
+ATTEMPT_GID = "attempt-start"
+"""The ``gid`` of those lines (how a caller finds them among the curves)."""
+
+
+def _mark_attempts(ax, runs: list[RunMetrics], colours: list, x: str) -> None:
+    """A vertical line in the run's colour where each resumed or restarted attempt started
+    (at its checkpoint's step, or the wall time then)."""
+    for run, colour in zip(runs, colours, strict=True):
+        for start in run.attempts:
+            ax.axvline(
+                start.step if x == "step" else start.time_s,
+                color=colour,
+                linestyle=_ATTEMPT_STYLE,
+                linewidth=1.0,
+                gid=ATTEMPT_GID,
+            )
+
+
+def _attempt_styles(runs: list[RunMetrics]) -> list:
+    """The legend entry for the attempt lines, where any run has them."""
+    starts = [start for run in runs for start in run.attempts]
+    if not starts:
+        return []
+    kinds = sorted({"restart" if s.restart else "resume" for s in starts}, reverse=True)
+    return [(_ATTEMPT_STYLE, None, f"attempt starts ({' / '.join(kinds)})")]
 
 
 def _style_legend(ax, runs: list[RunMetrics], colours: list, styles: list) -> None:
@@ -188,6 +230,7 @@ def _draw_throughput(ax, runs, colours) -> None:
             ax.plot([r["step"] for r in logged], [r["samples_per_s"] for r in logged], color=colour)
         if run.samples_per_s is not None:
             ax.axhline(run.samples_per_s, color=colour, linestyle=":")
+    _mark_attempts(ax, runs, colours, "step")
     ax.set_xlabel("step")
     ax.set_ylabel("samples/s")
     ax.set_ylim(bottom=0)
@@ -198,7 +241,7 @@ def _draw_throughput(ax, runs, colours) -> None:
     if len(runs) == 1 and runs[0].samples_per_s is not None:
         whole += f": {runs[0].samples_per_s:,.0f}"
     styles = [("-", None, f"running mean from the second step{share}"), (":", None, whole)]
-    _style_legend(ax, runs, colours, styles)
+    _style_legend(ax, runs, colours, styles + _attempt_styles(runs))
 
 
 def _draw_accuracy(ax, runs, colours) -> None:
@@ -214,10 +257,12 @@ def _draw_accuracy(ax, runs, colours) -> None:
                     marker="o" if kind == "eval" else None,
                     markersize=3,
                 )
+    _mark_attempts(ax, runs, colours, "step")
     ax.set_xlabel("step")
     ax.set_ylabel("accuracy (%)")
     ax.grid(color="0.92")
-    _style_legend(ax, runs, colours, [("-", None, "train"), ("--", "o", "eval")])
+    styles = [("-", None, "train"), ("--", "o", "eval")]
+    _style_legend(ax, runs, colours, styles + _attempt_styles(runs))
 
 
 # ---------------------------------------------------------------------------- bars

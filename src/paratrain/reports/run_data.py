@@ -15,7 +15,18 @@ from typing import Any
 
 from paratrain.reports.metrics_file import read_metrics
 
-__all__ = ["RunMetrics", "load_run"]
+__all__ = ["AttemptStart", "RunMetrics", "load_run"]
+
+
+@dataclass(frozen=True)
+class AttemptStart:
+    """Where an attempt after the first took over: the step its checkpoint was saved at,
+    the run's wall time then (the clock made continuous across attempts), and whether it
+    was a restart after a failed worker (``--max-restarts``) or a resume the user asked for."""
+
+    step: int
+    time_s: float
+    restart: bool
 
 
 @dataclass
@@ -40,6 +51,8 @@ class RunMetrics:
     layouts: list[str] = field(default_factory=list)
     """Each attempt's layout in order (``dp on 2 worker(s)``): more than one for a run
     that was resumed or restarted."""
+    attempts: list[AttemptStart] = field(default_factory=list)
+    """Where each attempt after the first started (the plots mark them)."""
 
     @property
     def name(self) -> str:
@@ -115,6 +128,8 @@ def load_run(run_dir: str | Path) -> RunMetrics:
     attempt_memory: dict[int, dict[str, Any]] = {}
     summary = None
     failures: list[str] = []
+    attempts: list[AttemptStart] = []
+    unplaced: dict[str, Any] | None = None  # an attempt recorded without its start step
     offset = last = 0.0
     for record in records:
         kind = record["kind"]
@@ -122,10 +137,14 @@ def load_run(run_dir: str | Path) -> RunMetrics:
             attempt_memory = {}  # a new attempt: another layout may have other workers
             if record is not configs[0]:
                 offset = last  # a resumed attempt's clock starts at 0 again
+                unplaced = _attempt_start(record, offset, attempts)
         elif kind in ("train", "eval"):
             if "time_s" in record:  # absent in files written before it was logged
                 last = offset + float(record["time_s"])
             (train if kind == "train" else evals).append({**record, "time_s": last})
+            if unplaced is not None:  # files before start_step: its first logged step
+                attempts.append(AttemptStart(int(record["step"]), offset, unplaced["restart"]))
+                unplaced = None
         elif kind == "memory":
             attempt_memory[int(record["worker"])] = record
             memory = attempt_memory
@@ -144,7 +163,20 @@ def load_run(run_dir: str | Path) -> RunMetrics:
         summary=summary,
         failures=failures,
         layouts=[_layout(record) for record in configs],
+        attempts=attempts,
     )
+
+
+def _attempt_start(
+    config_record: dict[str, Any], offset: float, attempts: list[AttemptStart]
+) -> dict[str, Any] | None:
+    """Record where the attempt this config record opens started; an attempt written
+    before ``start_step`` was recorded is returned, to be placed at its first logged step."""
+    restart = int(config_record.get("attempt", 0)) > 0
+    if "start_step" in config_record:
+        attempts.append(AttemptStart(int(config_record["start_step"]), offset, restart))
+        return None
+    return {"restart": restart}
 
 
 def _layout(config_record: dict[str, Any]) -> str:

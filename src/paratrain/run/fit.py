@@ -13,6 +13,7 @@ from pathlib import Path
 
 from paratrain.config import TrainConfig
 from paratrain.run.build import model_options
+from paratrain.run.precision_notice import bf16_notice
 from paratrain.run.preflight import time_sharing_warning
 from paratrain.run.prepare import PreparedRun, prepare_run
 from paratrain.run.result import RunResult, collect_result
@@ -37,9 +38,9 @@ def fit(config: TrainConfig) -> RunResult:
         leave_job()  # every rank refuses alike; no group left to abort at exit
         raise
     # Said once every check has passed: a refused run's output is its one sentence.
-    warning = time_sharing_warning(config, run.devices)
-    if warning and is_main_process():
-        print(warning, file=sys.stderr)
+    for warning in (time_sharing_warning(config, run.devices), bf16_notice(config, run.devices)):
+        if warning and is_main_process():
+            print(warning, file=sys.stderr)
     if run.resumed and is_main_process():
         print(f"paratrain: resuming {run.resumed}", file=sys.stderr)
     try:

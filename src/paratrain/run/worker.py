@@ -221,7 +221,12 @@ def setup(
         mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
         metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror, start=started)
         metrics.write(
-            "config", workers=comm.world_size(), config=as_dict(config), resumed_from=resume_from
+            "config",
+            workers=comm.world_size(),
+            config=as_dict(config),
+            resumed_from=resume_from,
+            start_step=first - 1,
+            attempt=attempt,
         )
     bar = progress_bar(config, length, enabled=lead, initial=first - 1)
     # A stage without parameters (pipeline) holds no optimizer and nothing to schedule.

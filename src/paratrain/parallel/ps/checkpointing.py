@@ -16,6 +16,7 @@ none may train on the parameters from before the load.
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,10 @@ from paratrain.checkpoints.format import (
     prepare_staging,
     publish,
     shard_name,
+    staging_dir,
     write_shard,
 )
-from paratrain.parallel.checkpointing import _python_rng, _restore_rng
+from paratrain.parallel.checkpointing import _python_rng, _restore_rng, write_refused
 from paratrain.parallel.model_config import with_model_config
 from paratrain.parallel.ps.protocol import Op
 
@@ -69,12 +71,26 @@ class ServerCheckpoints:
         return {k: v for k, v in self.model.state_dict().items() if k not in names | aliases.keys()}
 
     def _save(self, directory: Path, metadata: dict) -> Path:
-        """Publish a checkpoint of the servers' current state, if this worker is first."""
+        """Publish a checkpoint of the servers' current state, if this worker is first.
+
+        A disk that refuses a shard (the servers' or this worker's) ends the save as every
+        engine's does: the staging folder removed, the newest complete checkpoint kept,
+        one sentence (``write_refused``). The other workers are not waited for (see the
+        module's docstring): the claimant's error stops the launch, and them with it.
+        """
         self.wait_for_bound()  # with staleness=0: every live worker's pushes up to this step
         first, key = self.claim("save")
         if not first:
             return self._claimed_directory(key, directory)
         self.store.set(f"{key}/directory", str(directory))
+        try:
+            return self._write(directory, metadata)
+        except OSError as error:  # a server's arrives with its errno (protocol.reply_error)
+            shutil.rmtree(staging_dir(directory), ignore_errors=True)
+            raise write_refused(directory, error.strerror or str(error)) from error
+
+    def _write(self, directory: Path, metadata: dict) -> Path:
+        """The servers' shards, then this worker's buffers and RNG, then the manifest."""
         staging = prepare_staging(directory)
         replies = self.link.send_json(Op.SAVE, [{"staging": str(staging)}] * self.servers)
         files: dict[str, dict] = {}

@@ -29,6 +29,7 @@ from paratrain.parallel.ps.protocol import (
     decode_json,
     encode_json,
     post_recv,
+    reply_error,
     request_header,
     wait_all,
 )
@@ -143,7 +144,7 @@ class ServerLink:
         self._wait(s, post_recv(self.group, [body], rank, REPLY_DATA_TAG))
         value = decode_json(body)
         if int(reply[0]) == Status.ERROR:
-            raise RuntimeError(value["error"])
+            raise reply_error(value)
         return value
 
     def goodbye(self) -> None:

@@ -32,6 +32,7 @@ so a header and its payloads never interleave with another request's.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from enum import IntEnum
@@ -180,6 +181,27 @@ def encode_json(value: Any) -> torch.Tensor:
 
 def decode_json(tensor: torch.Tensor) -> Any:
     return json.loads(bytes(tensor.tolist()).decode())
+
+
+def error_value(server: int, error: Exception) -> dict[str, Any]:
+    """The JSON a server answers a failed request with; an ``OSError`` (a full disk while
+    writing its shard) keeps its ``errno``, so the worker can tell a disk's refusal apart
+    from a fault and say it as every engine does."""
+    value: dict[str, Any] = {"error": f"parameter server {server}: {error}"}
+    if isinstance(error, OSError) and error.errno is not None:
+        value["errno"] = error.errno
+    return value
+
+
+def reply_error(value: dict[str, Any]) -> Exception:
+    """What a worker raises for a server's error reply: the ``OSError`` it was where the
+    server said its ``errno``, else a ``RuntimeError`` with the server's words."""
+    if value.get("errno") is None:
+        return RuntimeError(value["error"])
+    code = int(value["errno"])
+    error = OSError(code, os.strerror(code))
+    error.__cause__ = RuntimeError(value["error"])  # which server, in the traceback
+    return error
 
 
 def send_all(group, tensors: Sequence[torch.Tensor], dst: int, tag: int, timeout: timedelta | None):

@@ -93,6 +93,7 @@ from paratrain.parallel.ps.protocol import (
     Status,
     decode_json,
     encode_json,
+    error_value,
     post_recv,
     reply_header,
     send_all,
@@ -212,8 +213,7 @@ class ShardServer:
             except (CheckpointError, OSError, KeyError, ValueError) as error:
                 if op not in (Op.SAVE, Op.LOAD, Op.ATTACH, Op.RATES):
                     self._fatal(traceback.format_exc())
-                message = f"parameter server {self.index}: {error}"
-                data = encode_json({"error": message})
+                data = encode_json(error_value(self.index, error))
                 reply = [reply_header(Status.ERROR, json_bytes=data.numel()), data]
             except Exception:  # a bug: say so where the workers will look, and stop
                 self._fatal(traceback.format_exc())
