@@ -24,6 +24,7 @@ from typing import Any
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
 from paratrain.parallel.layer_profile import LayerProfile
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.live_cost import backward_peak, step_temporaries, with_transient
 from paratrain.parallel.options import given
 from paratrain.parallel.pipeline.options import (
     BALANCE,
@@ -63,6 +64,50 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
     return min(stages - stage, micro_batches)
 
 
+def stage_moments(
+    costs: ModelCosts,
+    run: Run,
+    samples: float,
+    layers: range,
+    saved: float,
+    one: float,
+    communication: float,
+    replicas: int,
+    recompute: bool,
+) -> tuple[float, float, float]:
+    """A stage's live totals (``live_cost``): the backward of its first micro-batch while
+    the others its schedule holds keep their activations (``saved`` in all, ``one`` each),
+    the gradients made as backward passes (kept whole between steps only where replicas
+    reduce them in buckets); the backward of the second, with one micro-batch fewer held
+    and every gradient there; and the optimizer step (the fused kernel: ``fused_optim``)."""
+    params = costs.param_bytes(layers)
+    base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
+    kept = replicas > 1
+    first = base + (params if kept else 0.0) + max(0.0, saved - one)
+    first += backward_peak(
+        costs,
+        samples,
+        layers,
+        batch_samples=run.global_batch,
+        recompute=recompute,
+        one_segment=True,
+        grads_kept=kept,
+    )
+    later = base + params + max(0.0, saved - 2 * one)
+    later += backward_peak(
+        costs,
+        samples,
+        layers,
+        batch_samples=run.global_batch,
+        recompute=recompute,
+        one_segment=True,
+        grads_kept=True,
+    )
+    largest = max((costs.layers[i].largest_param_elements for i in layers), default=0)
+    step = base + params + step_temporaries(costs, largest, fused=True)
+    return first, later, step
+
+
 def predict(
     costs: ModelCosts,
     unsplit: ModelCosts,
@@ -99,14 +144,19 @@ def predict(
         )
         posted = 0 if last else held * out
         params = costs.param_bytes(layers)
+        communication = sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0)
         memory = ledger_at_peak(
             parameters=params + costs.frozen_bytes(layers),
             gradients=params,
             optimizer=costs.optimizer_bytes(layers),
             activations=held * one,
-            communication=sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0),
+            communication=communication,
             gradients_persist=replicas > 1,
         )
+        moments = stage_moments(
+            costs, run, samples, layers, held * one, one, communication, replicas, recompute
+        )
+        memory = with_transient(memory, moments=moments)
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
         per_micro = costs.time(samples, layers) + (
