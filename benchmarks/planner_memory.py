@@ -200,3 +200,11 @@ def memory_part(global_batch: int, steps: int) -> list[dict]:
         f"{len(rows)} configurations"
     )
     return rows
+
+
+if __name__ == "__main__":  # some rows again: python benchmarks/planner_memory.py 4 23
+    import sys
+
+    chosen = [CONFIGS[int(index)] for index in sys.argv[1:]] or CONFIGS
+    CONFIGS[:] = chosen
+    memory_part(16, 4)

@@ -40,6 +40,7 @@ def backward_peak(
     grads_kept: bool = False,
     kept_share: float = 1.0,
     unit_extra: float = 0.0,
+    scatter: float = 0.0,
 ) -> float:
     """Bytes one micro-batch of ``samples`` has live at the highest moment of its backward
     through ``layers`` (all by default), beyond the parameters, the optimizer state and,
@@ -48,7 +49,8 @@ def backward_peak(
     ``one_segment`` as in ``ModelCosts.recomputed_saved``. ZeRO: ``kept_share`` of a
     layer's gradients stays once backward has passed it (its slice), and each layer's
     backward holds ``unit_extra`` times its parameter bytes more (stage 3: the gathered
-    unit and its gradients flattened for the reduce-scatter)."""
+    unit), and once it is done, ``scatter`` times them (stage 3: its gradients and their
+    flat copy, then the flat copy, the backend's staged copy and the slice)."""
     picked = list(range(len(costs.layers)) if layers is None else layers)
     if not picked:
         return 0.0
@@ -74,7 +76,9 @@ def backward_peak(
     for position in reversed(range(len(picked))):
         layer = costs.layers[picked[position]]
         extra = unit_extra * layer.param_bytes
-        peak = max(peak, held_before[position] + layer.transient.at(samples) + made + extra)
+        held = held_before[position] + made
+        peak = max(peak, held + layer.transient.at(samples) + extra)
+        peak = max(peak, held + scatter * layer.param_bytes)
         if not grads_kept:
             made += layer.param_bytes * kept_share
     return peak

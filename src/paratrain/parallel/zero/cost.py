@@ -76,12 +76,19 @@ def live_moments(
             recompute=recompute,
             grads_kept=kept,
             kept_share=1.0 if stage == 1 else shard,
-            unit_extra=2.0 + reduce_scatter_staging(backend, 1.0) if stage == 3 else 0.0,
+            unit_extra=1.0 if stage == 3 else 0.0,
+            scatter=max(2.0, 1.0 + reduce_scatter_staging(backend, 1.0) + shard)
+            if stage == 3
+            else 0.0,
         )
     )
     bucket = min(params, options.get("bucket_mb", 25.0) * MiB)
     staging = reduce_scatter_staging(backend, bucket)
-    reduce = base + params + staging + bucket * shard + (bucket if stage == 2 else 0.0)
+    # stage 1: full gradients kept, the staged copy and the slice; stage 2: a unit's
+    # gradients and their flat copy, then (the gradients dropped) the flat, the staged
+    # copy and the slice
+    scattering = staging + bucket * shard
+    reduce = base + params + (max(bucket, scattering) if stage == 2 else scattering)
     unit_elements = (
         max((layer.param_elements for layer in costs.layers), default=0)
         if stage == 3
