@@ -74,12 +74,15 @@ def stage_moments(
     communication: float,
     replicas: int,
     recompute: bool,
+    steady: bool,
 ) -> tuple[float, float, float]:
     """A stage's live totals (``live_cost``): the backward of its first micro-batch while
     the others its schedule holds keep their activations (``saved`` in all, ``one`` each),
     the gradients made as backward passes (kept whole between steps only where replicas
-    reduce them in buckets); the backward of the second, with one micro-batch fewer held
-    and every gradient there; and the optimizer step (the fused kernel: ``fused_optim``)."""
+    reduce them in buckets); a later backward, with every gradient there and, under 1F1B
+    in its ``steady`` state (more micro-batches than it holds), as many micro-batches held
+    (each backward follows a forward), else one fewer (GPipe drains); and the optimizer
+    step (the fused kernel: ``fused_optim``)."""
     params = costs.param_bytes(layers)
     base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
     kept = replicas > 1
@@ -93,7 +96,7 @@ def stage_moments(
         one_segment=True,
         grads_kept=kept,
     )
-    later = base + params + max(0.0, saved - 2 * one)
+    later = base + params + max(0.0, saved - (1 if steady else 2) * one)
     later += backward_peak(
         costs,
         samples,
@@ -154,7 +157,16 @@ def predict(
             gradients_persist=replicas > 1,
         )
         moments = stage_moments(
-            costs, run, samples, layers, held * one, one, communication, replicas, recompute
+            costs,
+            run,
+            samples,
+            layers,
+            held * one,
+            one,
+            communication,
+            replicas,
+            recompute,
+            steady=schedule != "gpipe" and micro > held,
         )
         memory = with_transient(memory, moments=moments)
         if worst is None or sum(memory.values()) > sum(worst.values()):
