@@ -4,10 +4,10 @@ arithmetic against the live memory its engine holds, and plan / predict / auto e
 Memory bar: the issue asks for predicted peaks within 10% of the measured ones
 (``ACCURACY``) and never more than 5% under (``UNDER``), measured by an independent count
 of live storages (``runtime/live_tensors``), not by the ledger the prediction books; the
-10% is the contract the planner states (and its ``MARGIN``), not a figure tuned to pass. Step times are measured,
-noisy and machine-dependent (``bench_planner.py`` reports their ranking): one test holds
-the chosen plan's and the runner-up's within a wide factor (``STEP_TIME_FACTOR``) of
-measured, on a model where the optimizer matters.
+10% is the contract the planner states (and its ``MARGIN``), not a figure tuned to pass.
+Step times are measured, noisy and machine-dependent (``bench_planner.py`` reports their
+ranking): one test holds the chosen plan's and the runner-up's within a wide factor
+(``STEP_TIME_FACTOR``) of measured, on a model where the optimizer matters.
 """
 
 from __future__ import annotations
