@@ -75,9 +75,10 @@ def live_peaks(layouts: list[tuple[str, str, dict]], global_batch: int) -> list[
 
 
 def auto_worker(budget: str | None, global_batch: int):
-    """setup(strategy="auto") in every worker: the choice, the prediction, the measured
-    peak after STEPS steps."""
+    """setup(strategy="auto") in every worker: the choice, the prediction, and the live
+    peak (``LiveTensors``) of the chosen layout built again and trained STEPS steps."""
     import paratrain
+    from paratrain.runtime.live_tensors import LiveTensors
 
     engine = paratrain.setup(
         model("gpt"),
@@ -88,14 +89,27 @@ def auto_worker(budget: str | None, global_batch: int):
         sample=batch("gpt", global_batch),
         memory_per_device=budget,
     )
-    for step in range(STEPS):
-        engine.train_step(*batch("gpt", global_batch, seed=step))
+    batches = [batch("gpt", global_batch, seed=step) for step in range(STEPS)]
+    plan, name = engine.plan, engine.name
+    del engine  # built again inside the live count, as planned
+    with LiveTensors() as live:
+        engine = paratrain.setup(
+            model("gpt"),
+            optimizer=adam,
+            loss_fn=loss("gpt"),
+            strategy=plan.strategy,
+            global_batch=global_batch,
+            memory_per_device=budget,
+            **plan.options,
+        )
+        for x, y in batches:
+            engine.train_step(x, y)
     return {
-        "strategy": engine.plan.strategy,
-        "options": engine.plan.options,
-        "predicted": engine.plan.predicted_peak_bytes,
-        "measured": engine.memory_report()["total"]["peak"],
-        "engine": engine.name,
+        "strategy": plan.strategy,
+        "options": plan.options,
+        "predicted": plan.predicted_peak_bytes,
+        "measured": live.peak,
+        "engine": name,
     }
 
 

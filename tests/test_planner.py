@@ -284,7 +284,7 @@ def test_setup_auto_plans_in_the_job_and_every_worker_builds_the_same_engine(tmp
     assert first["engine"] == first["strategy"]
     assert first["predicted"] * (1 + MARGIN) <= 3 * 2**20
     measured = max(r["measured"] for r in results)
-    assert abs(first["predicted"] / measured - 1) <= ACCURACY
+    assert -UNDER <= first["predicted"] / measured - 1 <= ACCURACY
     assert list((tmp_path / "machine").glob("*.json")), "the collectives were not cached"
 
 
@@ -347,7 +347,9 @@ def test_train_strategy_auto_says_its_choice_and_the_measured_figures_beside_it(
     assert "  planned           " in captured.out
     line = next(x for x in captured.out.splitlines() if x.startswith("  planned memory    "))
     off = float(line.split("(")[1].split("%")[0])
-    assert abs(off) <= 100 * ACCURACY, line
+    # the ledger books part of what is live (not the temporaries), the prediction all of it
+    # (held against the live count above): the ledger may be lower, never much higher
+    assert off <= 100 * UNDER, line
 
 
 def test_shared_cores_give_the_work_over_the_cores_or_the_chain_whichever_is_longer():

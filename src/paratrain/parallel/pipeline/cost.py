@@ -64,6 +64,44 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
     return min(stages - stage, micro_batches)
 
 
+def stage_memory(
+    costs: ModelCosts,
+    run: Run,
+    samples: float,
+    layers: range,
+    held: int,
+    one: float,
+    communication: float,
+    replicas: int,
+    recompute: bool,
+    steady: bool,
+) -> dict[str, int]:
+    """A stage's ledger at its peak with ``held`` micro-batches of ``one`` saved bytes
+    each, and what its live moments hold beyond it (``stage_moments``)."""
+    params = costs.param_bytes(layers)
+    memory = ledger_at_peak(
+        parameters=params + costs.frozen_bytes(layers),
+        gradients=params,
+        optimizer=costs.optimizer_bytes(layers),
+        activations=held * one,
+        communication=communication,
+        gradients_persist=replicas > 1,
+    )
+    moments = stage_moments(
+        costs,
+        run,
+        samples,
+        layers,
+        held * one,
+        one,
+        communication,
+        replicas,
+        recompute,
+        steady=steady,
+    )
+    return with_transient(memory, moments=moments)
+
+
 def stage_moments(
     costs: ModelCosts,
     run: Run,
@@ -146,29 +184,11 @@ def predict(
             0 if first else micro * grad_in + LOSS_BYTES
         )
         posted = 0 if last else held * out
-        params = costs.param_bytes(layers)
         communication = sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0)
-        memory = ledger_at_peak(
-            parameters=params + costs.frozen_bytes(layers),
-            gradients=params,
-            optimizer=costs.optimizer_bytes(layers),
-            activations=held * one,
-            communication=communication,
-            gradients_persist=replicas > 1,
+        steady = schedule != "gpipe" and micro > held
+        memory = stage_memory(
+            costs, run, samples, layers, held, one, communication, replicas, recompute, steady
         )
-        moments = stage_moments(
-            costs,
-            run,
-            samples,
-            layers,
-            held * one,
-            one,
-            communication,
-            replicas,
-            recompute,
-            steady=schedule != "gpipe" and micro > held,
-        )
-        memory = with_transient(memory, moments=moments)
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
         per_micro = costs.time(samples, layers) + (
