@@ -98,7 +98,6 @@ def auto_worker(budget: str | None, global_batch: int):
             optimizer=adam,
             loss_fn=loss("gpt"),
             strategy=plan.strategy,
-            global_batch=global_batch,
             memory_per_device=budget,
             **plan.options,
         )

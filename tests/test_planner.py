@@ -249,6 +249,7 @@ def test_plan_returns_what_setup_takes_and_a_table_of_every_candidate():
         "optimizer",
         "activations",
         "communication",
+        "transient",
     }
     assert plan.predicted_step_s > 0
     assert plan.options["precision"] == "fp32" and "gradient_accumulation" in plan.options
