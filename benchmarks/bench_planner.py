@@ -1,9 +1,10 @@
 """How right the planner is: its predictions against real runs, on this machine.
 
 Memory: for each configuration (every strategy, 2 and 4 workers, fp32 and bf16, recompute
-on and off, on ``mlp``, ``gpt`` and a model of the user's own blocks), the planner's
-``predicted_peak_bytes`` (``paratrain.predict``) against the peak ledger total the run
-books (``engine.memory_report()``, the highest worker) after a few steps.
+on and off, on ``mlp``, ``gpt``, a model of the user's own blocks and Hugging Face GPT-2
+and Llama), the planner's ``predicted_peak_bytes`` (``paratrain.predict``) against the
+peak of live tensor storages on the highest worker (``planner_memory.py``), an
+independent count: not the engines' ledger.
 
 Choice: for each scenario (a model that fits each worker, one that fits only sharded, one
 that fits only split, under ``memory_per_device``), every candidate the planner predicts
@@ -40,7 +41,6 @@ from torch import nn
 
 import paratrain
 from paratrain.models import build_model, loss_for
-from paratrain.planner.api import predict
 from paratrain.planner.choose import NoPlanFits
 from paratrain.planner.machine import cores
 from paratrain.runtime.launch import WorkerError
@@ -151,72 +151,11 @@ def measure(name, overrides, strategy, options, devices, global_batch, steps, bu
     }
 
 
-MEMORY_CONFIGS = [
-    # (model, strategy, devices, options)
-    ("mlp", "single", 1, {}),
-    ("mlp", "dp", 2, {}),
-    ("mlp", "zero1", 2, {}),
-    ("mlp", "zero2", 4, {"recompute": True}),
-    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4}),
-    ("gpt", "dp", 4, {"precision": "bf16"}),
-    ("gpt", "zero3", 4, {}),
-    ("gpt", "tp", 2, {}),
-    ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "gpipe"}),
-    ("gpt", "pipeline", 4, {"stages": 2, "tensor": 2, "micro_batches": 4, "recompute": True}),
-    ("gpt", "dp", 4, {"tensor": 2, "recompute": True}),
-    ("gpt", "single", 1, {"precision": "bf16", "gradient_accumulation": 2}),
-    ("blocks", "dp", 2, {"recompute": True}),
-    ("blocks", "zero1", 4, {"tensor": 2}),
-    ("blocks", "pipeline", 2, {"stages": 2, "precision": "bf16"}),
-    ("blocks", "tp", 4, {}),
-]
-
-
 def memory_part(global_batch: int, steps: int) -> list[dict]:
-    print("\n| model | strategy | workers | options | predicted peak | measured peak | error |")
-    print("|---|---|---|---|---|---|---|", flush=True)
-    rows = []
-    for name, strategy, devices, options in MEMORY_CONFIGS:
-        x, y = batch(name, global_batch)
-        fixed = dict(options)
-        precision = fixed.pop("precision", "fp32")
-        accumulation = fixed.pop("gradient_accumulation", 1)
-        plan = predict(
-            build(name),
-            strategy=strategy,
-            devices=devices,
-            global_batch=global_batch,
-            optimizer=adam,
-            loss_fn=loss(name),
-            sample=(x, y),
-            precision=precision,
-            gradient_accumulation=accumulation,
-            **fixed,
-        )
-        measured = measure(name, None, strategy, plan.options, devices, global_batch, steps)
-        error = plan.predicted_peak_bytes / measured["peak"] - 1
-        row = {
-            "model": name,
-            "strategy": strategy,
-            "devices": devices,
-            "options": options,
-            "predicted_peak": plan.predicted_peak_bytes,
-            "measured_peak": measured["peak"],
-            "error": error,
-            "predicted_step_s": plan.predicted_step_s,
-            "measured_step_s": measured["step_s"],
-        }
-        rows.append(row)
-        shown = ", ".join(f"{k}={v}" for k, v in options.items()) or "-"
-        print(
-            f"| {name} | {strategy} | {devices} | {shown} | "
-            f"{format_bytes(plan.predicted_peak_bytes)} | {format_bytes(measured['peak'])} | "
-            f"{error:+.1%} |",
-            flush=True,
-        )
-    worst = max(abs(r["error"]) for r in rows)
-    print(f"\nworst memory error: {worst:.1%} over {len(rows)} configurations")
-    return rows
+    """Predicted peaks against the live count (``planner_memory``)."""
+    import planner_memory
+
+    return planner_memory.memory_part(global_batch, steps)
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -47,30 +47,38 @@ def loss(kind: str):
     return loss_for("gpt" if kind == "gpt" else "mlp")
 
 
-def measured_peaks(layouts: list[tuple[str, str, dict]], global_batch: int) -> list[int]:
-    """Each (model, strategy, options) trained STEPS steps in turn in this job; every
-    worker's peak ledger total, for each layout (rank 0 gets the maxima)."""
+def live_peaks(layouts: list[tuple[str, str, dict]], global_batch: int) -> list[int]:
+    """Each (model, strategy, options) trained STEPS steps in turn in this job, inside an
+    independent count of live storages (``LiveTensors``, entered before the model is
+    built); every worker's live peak, for each layout (rank 0 gets the maxima)."""
     import paratrain
     from paratrain.runtime import comm
+    from paratrain.runtime.live_tensors import LiveTensors
 
     peaks = []
     for kind, strategy, options in layouts:
-        engine = paratrain.setup(
-            model(kind), optimizer=adam, loss_fn=loss(kind), strategy=strategy, **options
-        )
-        for step in range(STEPS):
-            engine.train_step(*batch(kind, global_batch, seed=step))
-        peak = torch.tensor([float(engine.memory_report()["total"]["peak"])])
-        gathered = [torch.zeros(1) for _ in range(comm.world_size())]
-        torch.distributed.all_gather(gathered, peak)
-        peaks.append(int(max(float(t) for t in gathered)))
+        batches = [batch(kind, global_batch, seed=step) for step in range(STEPS)]
+        with LiveTensors() as live:
+            engine = paratrain.setup(
+                model(kind), optimizer=adam, loss_fn=loss(kind), strategy=strategy, **options
+            )
+            for x, y in batches:
+                engine.train_step(x, y)
+        del engine
+        peak = torch.tensor([float(live.peak)])
+        if comm.distributed():
+            gathered = [torch.zeros(1) for _ in range(comm.world_size())]
+            torch.distributed.all_gather(gathered, peak)
+            peak = max(gathered)
+        peaks.append(int(peak.item()))
     return peaks
 
 
 def auto_worker(budget: str | None, global_batch: int):
-    """setup(strategy="auto") in every worker: the choice, the prediction, the measured
-    peak after STEPS steps."""
+    """setup(strategy="auto") in every worker: the choice, the prediction, and the live
+    peak (``LiveTensors``) of the chosen layout built again and trained STEPS steps."""
     import paratrain
+    from paratrain.runtime.live_tensors import LiveTensors
 
     engine = paratrain.setup(
         model("gpt"),
@@ -81,14 +89,26 @@ def auto_worker(budget: str | None, global_batch: int):
         sample=batch("gpt", global_batch),
         memory_per_device=budget,
     )
-    for step in range(STEPS):
-        engine.train_step(*batch("gpt", global_batch, seed=step))
+    batches = [batch("gpt", global_batch, seed=step) for step in range(STEPS)]
+    plan, name = engine.plan, engine.name
+    del engine  # built again inside the live count, as planned
+    with LiveTensors() as live:
+        engine = paratrain.setup(
+            model("gpt"),
+            optimizer=adam,
+            loss_fn=loss("gpt"),
+            strategy=plan.strategy,
+            memory_per_device=budget,
+            **plan.options,
+        )
+        for x, y in batches:
+            engine.train_step(x, y)
     return {
-        "strategy": engine.plan.strategy,
-        "options": engine.plan.options,
-        "predicted": engine.plan.predicted_peak_bytes,
-        "measured": engine.memory_report()["total"]["peak"],
-        "engine": engine.name,
+        "strategy": plan.strategy,
+        "options": plan.options,
+        "predicted": plan.predicted_peak_bytes,
+        "measured": live.peak,
+        "engine": name,
     }
 
 

@@ -1,14 +1,13 @@
 """The planner: ranking on synthetic predictions with known answers, each strategy's
-arithmetic against the ledger its engine books, and plan / predict / auto end to end.
+arithmetic against the live memory its engine holds, and plan / predict / auto end to end.
 
 Memory bar: the issue asks for predicted peaks within 10% of the measured ones
-(``ACCURACY``). The predictions here are the engines' own bookkeeping applied to costs
-measured on the same model and batch, so on these configurations they come out exact to
-the byte or within a few bytes (rounding of a fitted line); the 10% is the contract the
-planner states (and its ``MARGIN``), not a figure tuned to pass. Step times are measured,
-noisy and machine-dependent (``bench_planner.py`` reports their ranking): one test holds
-the chosen plan's and the runner-up's within a wide factor (``STEP_TIME_FACTOR``) of
-measured, on a model where the optimizer matters.
+(``ACCURACY``) and never more than 5% under (``UNDER``), measured by an independent count
+of live storages (``runtime/live_tensors``), not by the ledger the prediction books; the
+10% is the contract the planner states (and its ``MARGIN``), not a figure tuned to pass.
+Step times are measured, noisy and machine-dependent (``bench_planner.py`` reports their
+ranking): one test holds the chosen plan's and the runner-up's within a wide factor
+(``STEP_TIME_FACTOR``) of measured, on a model where the optimizer matters.
 """
 
 from __future__ import annotations
@@ -157,29 +156,64 @@ def test_the_optimizer_is_read_not_assumed():
     assert (plain.bytes_per_element, plain.bytes_per_tensor) == (0.0, 0.0)
 
 
-# ------------------------------------------------------------------ against the ledger
+# ------------------------------------------------------------------ against live memory
+#
+# Held against an independent count of live storages (``LiveTensors``: every storage an
+# operator made, at every instant), not against the ledger the engines book: a device
+# runs out of the former. Bounds: the planner's stated accuracy above (10%), and never
+# more than UNDER below (a plan that fits on paper must fit on the device).
+
+UNDER = 0.05
 
 
-def test_one_process_prediction_equals_the_single_engines_ledger():
-    for kind in ("mlp", "gpt"):
-        plan = paratrain.predict(
-            pw.model(kind),
-            strategy="single",
-            devices=1,
-            global_batch=8,
-            optimizer=pw.adam,
-            loss_fn=pw.loss(kind),
-            sample=pw.batch(kind, 8),
-            machine=pw.machine(),
-        )
-        engine = paratrain.setup(
-            pw.model(kind), optimizer=pw.adam, loss_fn=pw.loss(kind), strategy="single"
-        )
-        for step in range(pw.STEPS):
-            engine.train_step(*pw.batch(kind, 8, seed=step))
-        measured = engine.memory_report()["total"]["peak"]
-        assert abs(plan.predicted_peak_bytes / measured - 1) <= ACCURACY, kind
-        assert plan.predicted_memory["optimizer"] == engine.memory_report()["optimizer"]["peak"]
+def _predicted(kind: str, strategy: str, options: dict, devices: int, global_batch: int):
+    fixed = dict(options)
+    precision = fixed.pop("precision", "fp32")
+    return paratrain.predict(
+        pw.model(kind),
+        strategy=strategy,
+        devices=devices,
+        global_batch=global_batch,
+        optimizer=pw.adam,
+        loss_fn=pw.loss(kind),
+        sample=pw.batch(kind, global_batch),
+        precision=precision,
+        machine=pw.machine(),
+        **fixed,
+    )
+
+
+def _holds(plan, live: int, what: str) -> None:
+    error = plan.predicted_peak_bytes / live - 1
+    assert -UNDER <= error <= ACCURACY, f"{what}: predicted {error:+.2%} against live"
+
+
+ONE_PROCESS = [("mlp", {}), ("gpt", {}), ("gpt", {"recompute": True})]
+
+
+def test_one_process_predictions_cover_the_live_peak():
+    """The single engine, with and without recompute (whose rebuilt segment the ledger
+    never sees): the prediction against the live count."""
+    layouts = [(kind, "single", options) for kind, options in ONE_PROCESS]
+    live = pw.live_peaks(layouts, 8)
+    for (kind, _, options), peak in zip(layouts, live, strict=True):
+        _holds(_predicted(kind, "single", options, 1, 8), peak, f"{kind} {options}")
+
+
+TWO_WORKERS = [
+    ("gpt", "zero3", {}),
+    ("gpt", "zero3", {"recompute": True}),
+    ("mlp", "pipeline", {"stages": 2, "micro_batches": 4}),
+]
+
+
+def test_zero3_and_pipeline_predictions_cover_the_live_peak_of_two_workers():
+    """ZeRO-3's gathered units and flattened gradients, its recompute, and a pipeline
+    stage's micro-batches in flight: what the ledger leaves out, held on two workers."""
+    live = paratrain.launch(pw.live_peaks, devices=2, args=(TWO_WORKERS, 8))[0]
+    for (kind, strategy, options), peak in zip(TWO_WORKERS, live, strict=True):
+        plan = _predicted(kind, strategy, options, 2, 8)
+        _holds(plan, peak, f"{kind} {strategy} {options}")
 
 
 LAYOUTS = [
@@ -194,26 +228,11 @@ LAYOUTS = [
 
 
 @pytest.mark.slow
-def test_predicted_peaks_match_the_ledgers_of_four_workers():
+def test_predicted_peaks_cover_the_live_peaks_of_four_workers():
     global_batch = 8
-    measured = paratrain.launch(pw.measured_peaks, devices=4, args=(LAYOUTS, global_batch))[0]
-    for (kind, strategy, options), peak in zip(LAYOUTS, measured, strict=True):
-        fixed = dict(options)
-        precision = fixed.pop("precision", "fp32")
-        plan = paratrain.predict(
-            pw.model(kind),
-            strategy=strategy,
-            devices=4,
-            global_batch=global_batch,
-            optimizer=pw.adam,
-            loss_fn=pw.loss(kind),
-            sample=pw.batch(kind, global_batch),
-            precision=precision,
-            machine=pw.machine(),
-            **fixed,
-        )
-        error = plan.predicted_peak_bytes / peak - 1
-        assert abs(error) <= ACCURACY, f"{kind} {strategy} {options}: {error:+.2%}"
+    live = paratrain.launch(pw.live_peaks, devices=4, args=(LAYOUTS, global_batch))[0]
+    for (kind, strategy, options), peak in zip(LAYOUTS, live, strict=True):
+        _holds(_predicted(kind, strategy, options, 4, global_batch), peak, f"{kind} {strategy}")
 
 
 # ------------------------------------------------------------------ plan and auto
@@ -237,6 +256,7 @@ def test_plan_returns_what_setup_takes_and_a_table_of_every_candidate():
         "optimizer",
         "activations",
         "communication",
+        "transient",
     }
     assert plan.predicted_step_s > 0
     assert plan.options["precision"] == "fp32" and "gradient_accumulation" in plan.options
@@ -272,7 +292,7 @@ def test_setup_auto_plans_in_the_job_and_every_worker_builds_the_same_engine(tmp
     assert first["engine"] == first["strategy"]
     assert first["predicted"] * (1 + MARGIN) <= 3 * 2**20
     measured = max(r["measured"] for r in results)
-    assert abs(first["predicted"] / measured - 1) <= ACCURACY
+    assert -UNDER <= first["predicted"] / measured - 1 <= ACCURACY
     assert list((tmp_path / "machine").glob("*.json")), "the collectives were not cached"
 
 
@@ -335,7 +355,9 @@ def test_train_strategy_auto_says_its_choice_and_the_measured_figures_beside_it(
     assert "  planned           " in captured.out
     line = next(x for x in captured.out.splitlines() if x.startswith("  planned memory    "))
     off = float(line.split("(")[1].split("%")[0])
-    assert abs(off) <= 100 * ACCURACY, line
+    # the ledger books part of what is live (not the temporaries), the prediction all of it
+    # (held against the live count above): the ledger may be lower, never much higher
+    assert off <= 100 * UNDER, line
 
 
 def test_shared_cores_give_the_work_over_the_cores_or_the_chain_whichever_is_longer():

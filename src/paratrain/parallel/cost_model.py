@@ -87,6 +87,13 @@ class LayerCost:
     """Seconds of its forward and backward."""
     forward_s: Line
     """Seconds of its forward alone (recompute runs it twice)."""
+    transient: Line = field(default_factory=Line.zero)
+    """Bytes live at the highest moment of its forward and backward run alone, its
+    parameters and input apart (``LiveTensors``): its saved tensors, output, the output's
+    gradient, operator temporaries, and its input's and parameters' gradients."""
+    largest_param_elements: int = 0
+    """Elements of its largest trainable tensor (an optimizer step's temporaries scale
+    with the tensor it is at)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,14 @@ class OptimizerCost:
     bytes_per_tensor: float
     step_s_per_element: float
     name: str = "optimizer"
+    temporary_bytes_per_element: float = 0.0
+    """Bytes a step makes and frees again, per element of the largest tensor it updates
+    (PyTorch's per-tensor Adam: ``sqrt`` and a quotient, 8 bytes per fp32 element; a
+    ``foreach`` optimizer makes them for every tensor at once, which this probe of one
+    large tensor and one small one also reads as the large one's)."""
+    fused_temporary_bytes_per_element: float = 0.0
+    """The same for the optimizer as dp and the pipeline rebuild it with the fused CPU
+    kernel (``fused_optim``), which updates in place: none for Adam."""
 
     def state_bytes(self, elements: float, tensors: float) -> float:
         return self.bytes_per_element * elements + self.bytes_per_tensor * tensors

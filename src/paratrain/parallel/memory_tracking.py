@@ -24,7 +24,9 @@ forward, when they peak; communication buffers as the engine reports them (bytes
 for messages that are not gradients). Under ``torch.utils.checkpoint`` the hooks see
 what a checkpointed segment keeps (its inputs), not the one segment it recomputes at a
 time during backward, so the ledger understates a recompute run's peak by about one
-layer's activations.
+segment's activations and their temporaries. The ledger is what the engine books; what a
+device holds at every instant is counted independently by ``runtime/live_tensors``, and
+the planner predicts that (``parallel/live_cost``).
 """
 
 from __future__ import annotations

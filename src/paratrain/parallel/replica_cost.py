@@ -22,6 +22,7 @@ from paratrain.parallel.cost_model import (
     Run,
     ledger_at_peak,
 )
+from paratrain.parallel.live_cost import backward_peak, step_temporaries, with_transient
 
 EXTRA_SLOT_BYTES = 8
 """The loss and the unused-parameter count riding in the last bucket (fp32 each)."""
@@ -50,6 +51,34 @@ def tensor_seconds(costs: ModelCosts, machine: MachineCosts, samples: float, mic
     )
 
 
+def live_moments(
+    costs: ModelCosts,
+    run: Run,
+    samples: float,
+    recompute: bool,
+    replicas: int,
+    gradients: float,
+    *,
+    parameters: float | None = None,
+    optimizer: float | None = None,
+    largest: float | None = None,
+) -> tuple[float, float]:
+    """The live totals of a replica's backward and optimizer step (``live_cost``):
+    gradients are kept through backward where replicas reduce them in buckets, or a
+    later micro-batch of an accumulation adds to them."""
+    kept = replicas > 1 or run.gradient_accumulation > 1
+    base = (costs.param_bytes() if parameters is None else parameters) + costs.frozen_bytes()
+    base += costs.optimizer_bytes() if optimizer is None else optimizer
+    slots = EXTRA_SLOT_BYTES if replicas > 1 else 0
+    backward = base + slots + (gradients if kept else 0.0)
+    backward += backward_peak(
+        costs, samples, batch_samples=run.global_batch, recompute=recompute, grads_kept=kept
+    )
+    fused = replicas * costs.tensor > 1  # dp's engine runs the fused kernel (fused_optim)
+    step = base + slots + gradients + step_temporaries(costs, largest, fused=fused)
+    return backward, step
+
+
 def predict(
     costs: ModelCosts, machine: MachineCosts, run: Run, options: dict[str, Any], replicas: int
 ) -> Prediction:
@@ -67,6 +96,9 @@ def predict(
         communication=EXTRA_SLOT_BYTES if replicas > 1 else 0,
         communication_at_end=EXTRA_SLOT_BYTES if replicas > 1 else 0,
         gradients_persist=replicas > 1,
+    )
+    memory = with_transient(
+        memory, moments=live_moments(costs, run, samples, recompute, replicas, params)
     )
     workers = replicas * costs.tensor
     one = compute_seconds(costs, samples, accumulation, recompute)

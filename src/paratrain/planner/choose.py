@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paratrain.parallel.cost_model import CATEGORIES, Prediction
+from paratrain.parallel.live_cost import TRANSIENT
 from paratrain.parallel.registry import strategy_class
 from paratrain.runtime.units import format_bytes
 
@@ -170,7 +171,7 @@ class Plan:
         )
         breakdown = ", ".join(
             f"{c} {format_bytes(self.predicted_memory[c])}"
-            for c in CATEGORIES
+            for c in (*CATEGORIES, TRANSIENT)
             if self.predicted_memory.get(c)
         )
         return (

@@ -40,7 +40,10 @@ from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 1
+FORMAT = 2
+"""Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
+optimizer step's temporaries), so that a file of an older shape is measured again rather
+than read with defaults."""
 
 
 def _code(code: Any) -> list[Any]:

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from paratrain.parallel.batching import batch_size, map_tensors
 from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
+from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layer_profile import detached, storage_key, tensors_in
 from paratrain.parallel.layers import is_layer_list, layer_list
@@ -58,6 +59,7 @@ from paratrain.parallel.strategy import optimizer_from_factory
 from paratrain.parallel.tensor import mappings
 from paratrain.parallel.tensor.apply import apply_plan
 from paratrain.parallel.tensor.plan import resolve_plan
+from paratrain.runtime.live_tensors import LiveTensors
 
 REPEATS = 3
 """Timed runs per layer and size (the fastest is kept), after one untimed run."""
@@ -244,6 +246,45 @@ def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, re
     return fastest_seconds(forward, repeats), fastest_seconds(forward_backward, repeats)
 
 
+def _layer_live_peak(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of) -> int:
+    """Bytes live at the highest moment of ``layer``'s forward and backward alone on its
+    recorded input (``LiveTensors``), its parameters and that input apart: what it saves,
+    its output and the output's gradient, its operators' temporaries, its input's gradient
+    and its parameters' gradients. Run once, outside the timed runs (the count slows each
+    operator).
+
+    Why the parameters' gradients are added rather than measured: measured with them, the
+    peak is the larger of a moment the activations dominate and one the gradients do, which
+    is no line in the micro-batch: a block of the quick-start gpt peaks at 0.92 MB with 1
+    sample and 1.05 MB with 2, then at 5.8 MB with 16, not the 2.9 MB the line through the
+    first two gives. Backward to the input alone peaks in proportion to the micro-batch;
+    the gradients, all of them at once, bound the rest (high by at most the layer's
+    parameter bytes). A layer with no floating input (an embedding) is measured with its
+    parameters' gradients, which are then all it makes beyond its output."""
+    args, kwargs = recorded
+    params = [p for p in layer.parameters() if p.requires_grad]
+    with LiveTensors() as live:
+        live.exclude([*layer.parameters(), *layer.buffers(), *tensors_in([args, kwargs])])
+        a = tuple(
+            v.detach().requires_grad_(True)
+            if isinstance(v, Tensor) and v.is_floating_point()
+            else v
+            for v in args
+        )
+        with torch.enable_grad(), autocast_of():
+            out = layer(*a, **kwargs)
+        outs = [t for t in tensors_in(out) if t.requires_grad]
+        inputs = [t for t in tensors_in(a) if t.requires_grad]
+        sources = inputs or params
+        if outs and sources:
+            grads = torch.autograd.grad(
+                outs, sources, [torch.ones_like(t) for t in outs], allow_unused=True
+            )
+            del grads
+    added = sum(p.numel() * p.element_size() for p in params) if inputs else 0
+    return live.peak + added
+
+
 def _split_copy(model: nn.Module, tensor: int, split_plan: dict[str, str] | None) -> nn.Module:
     """A copy of ``model`` holding what rank 0 of a tensor group of ``tensor`` holds."""
     split = copy.deepcopy(model)
@@ -353,16 +394,26 @@ def _measure_point(
     messages = sum(mappings.CALLS.values()) - calls_before
     payload = sum(mappings.BYTES.values()) - bytes_before
     timed: dict[tuple, tuple[float, float]] = {}  # each distinct block timed once
-    times = []
+    measured_peaks: dict[tuple, int] = {}  # and its live peak measured once
+    times, peaks = [], []
     for i, layer in enumerate(layers):
         if trace.inputs[i] is None:
             times.append((0.0, 0.0))
+            peaks.append(0)
             continue
         key = block_signature(layer, trace.inputs[i])
         if key not in timed:
             timed[key] = _layer_times(layer, trace.inputs[i], autocast, repeats)
+            measured_peaks[key] = _layer_live_peak(layer, trace.inputs[i], autocast)
         times.append(timed[key])
-    return {"trace": trace, "times": times, "messages": messages, "bytes": payload}
+        peaks.append(measured_peaks[key])
+    return {
+        "trace": trace,
+        "times": times,
+        "messages": messages,
+        "bytes": payload,
+        "live_peaks": peaks,
+    }
 
 
 def block_signature(layer: nn.Module, recorded: tuple[tuple, dict]) -> tuple:
@@ -420,6 +471,8 @@ def _layer_costs(
                 output_bytes=line(lambda p, i=i: p["trace"].output_bytes[i]),
                 time_s=line(lambda p, i=i: p["times"][i][1]),
                 forward_s=line(lambda p, i=i: p["times"][i][0]),
+                transient=line(lambda p, i=i: p["live_peaks"][i]),
+                largest_param_elements=max((p.numel() for p in trainable), default=0),
             )
         )
     return costs
@@ -448,6 +501,29 @@ def measure_optimizer(
         return _measure_optimizer(factory, repeats)
 
 
+def _step_temporaries(optimizer: torch.optim.Optimizer, params: tuple[Tensor, ...]) -> int:
+    """Bytes a step of ``optimizer`` (which has stepped: its state exists) makes and frees
+    again, at its highest (``LiveTensors``)."""
+    with LiveTensors() as live:
+        live.exclude([*params, *(p.grad for p in params if p.grad is not None)])
+        live.exclude(
+            v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
+        )
+        optimizer.step()
+    return live.peak
+
+
+def _fused_step_temporaries(factory: Callable) -> int:
+    """``_step_temporaries`` of the optimizer as dp and the pipeline run it
+    (``fused_optim``: the fused CPU kernel where it computes the same update)."""
+    big, small = nn.Parameter(torch.zeros(1 << 16)), nn.Parameter(torch.zeros(16))
+    optimizer = with_fused_kernel(optimizer_from_factory(factory, [("b", big), ("s", small)]))
+    for param in (big, small):
+        param.grad = torch.full_like(param, 1e-3)
+    optimizer.step()
+    return _step_temporaries(optimizer, (big, small))
+
+
 def _measure_optimizer(factory: Callable, repeats: int) -> OptimizerCost:
     big, small = nn.Parameter(torch.zeros(1 << 16)), nn.Parameter(torch.zeros(16))
     named = [("probe.big", big), ("probe.small", small)]
@@ -471,4 +547,6 @@ def _measure_optimizer(factory: Callable, repeats: int) -> OptimizerCost:
         bytes_per_tensor=per_tensor,
         step_s_per_element=seconds / (n_big + n_small),
         name=type(optimizer).__name__,
+        temporary_bytes_per_element=_step_temporaries(optimizer, (big, small)) / n_big,
+        fused_temporary_bytes_per_element=_fused_step_temporaries(factory) / n_big,
     )

@@ -29,6 +29,7 @@ from typing import Any
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
 from paratrain.parallel.layer_profile import LayerProfile
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.live_cost import backward_peak, step_temporaries, with_transient
 from paratrain.parallel.options import given
 from paratrain.parallel.pipeline.options import (
     BALANCE,
@@ -79,6 +80,91 @@ def idle_slots(schedule: str, stages: int, chunks: int, forward_share: float) ->
     return (stages - 1) / chunks
 
 
+def stage_memory(
+    costs: ModelCosts,
+    run: Run,
+    samples: float,
+    layers: range,
+    held: int,
+    one: float,
+    communication: float,
+    replicas: int,
+    recompute: bool,
+    steady: bool,
+) -> dict[str, int]:
+    """A stage's ledger at its peak with ``held`` micro-batches of ``one`` saved bytes
+    each, and what its live moments hold beyond it (``stage_moments``)."""
+    params = costs.param_bytes(layers)
+    memory = ledger_at_peak(
+        parameters=params + costs.frozen_bytes(layers),
+        gradients=params,
+        optimizer=costs.optimizer_bytes(layers),
+        activations=held * one,
+        communication=communication,
+        gradients_persist=replicas > 1,
+    )
+    moments = stage_moments(
+        costs,
+        run,
+        samples,
+        layers,
+        held * one,
+        one,
+        communication,
+        replicas,
+        recompute,
+        steady=steady,
+    )
+    return with_transient(memory, moments=moments)
+
+
+def stage_moments(
+    costs: ModelCosts,
+    run: Run,
+    samples: float,
+    layers: range,
+    saved: float,
+    one: float,
+    communication: float,
+    replicas: int,
+    recompute: bool,
+    steady: bool,
+) -> tuple[float, float, float]:
+    """A stage's live totals (``live_cost``): the backward of its first micro-batch while
+    the others its schedule holds keep their activations (``saved`` in all, ``one`` each),
+    the gradients made as backward passes (kept whole between steps only where replicas
+    reduce them in buckets); a later backward, with every gradient there and, under 1F1B
+    in its ``steady`` state (more micro-batches than it holds), as many micro-batches held
+    (each backward follows a forward), else one fewer (GPipe drains); and the optimizer
+    step (the fused kernel: ``fused_optim``)."""
+    params = costs.param_bytes(layers)
+    base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
+    kept = replicas > 1
+    first = base + (params if kept else 0.0) + max(0.0, saved - one)
+    first += backward_peak(
+        costs,
+        samples,
+        layers,
+        batch_samples=run.global_batch,
+        recompute=recompute,
+        one_segment=True,
+        grads_kept=kept,
+    )
+    later = base + params + max(0.0, saved - (1 if steady else 2) * one)
+    later += backward_peak(
+        costs,
+        samples,
+        layers,
+        batch_samples=run.global_batch,
+        recompute=recompute,
+        one_segment=True,
+        grads_kept=True,
+    )
+    largest = max((costs.layers[i].largest_param_elements for i in layers), default=0)
+    step = base + params + step_temporaries(costs, largest, fused=True)
+    return first, later, step
+
+
 def predict(
     costs: ModelCosts,
     unsplit: ModelCosts,
@@ -114,14 +200,10 @@ def predict(
             0 if first else micro * sum(grads_in) + LOSS_BYTES
         )
         posted = held * sum(outs)
-        params = costs.param_bytes(layers)
-        memory = ledger_at_peak(
-            parameters=params + costs.frozen_bytes(layers),
-            gradients=params,
-            optimizer=costs.optimizer_bytes(layers),
-            activations=held * one,
-            communication=sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0),
-            gradients_persist=replicas > 1,
+        communication = sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0)
+        steady = schedule != "gpipe" and micro > held
+        memory = stage_memory(
+            costs, run, samples, layers, held, one, communication, replicas, recompute, steady
         )
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory

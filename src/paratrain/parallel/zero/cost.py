@@ -20,6 +20,12 @@ import math
 from typing import Any
 
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
+from paratrain.parallel.live_cost import (
+    backward_peak,
+    reduce_scatter_staging,
+    step_temporaries,
+    with_transient,
+)
 from paratrain.parallel.replica_cost import activations, compute_seconds, tensor_seconds
 
 MiB = 1 << 20
@@ -29,6 +35,71 @@ def units(costs: ModelCosts, stage: int, bucket_mb: float) -> int:
     if stage == 3:
         return max(1, sum(1 for layer in costs.layers if layer.param_bytes))
     return max(1, math.ceil(costs.param_bytes() / (bucket_mb * MiB)))
+
+
+def live_moments(
+    costs: ModelCosts,
+    run: Run,
+    samples: float,
+    options: dict[str, Any],
+    *,
+    stage: int,
+    replicas: int,
+    backend: str,
+) -> tuple[float, ...]:
+    """A ZeRO worker's live totals (``live_cost``) in backward, at the gradients'
+    reduce-scatter and in the optimizer step.
+
+    Stage 1 keeps full gradients in flat buffers. Stages 2-3 make each unit's gradients
+    whole, flatten them into one more buffer of the unit's size for the reduce-scatter
+    (``zero/grads``), then keep the slice: a stage-2 unit is a bucket, by default the
+    whole of a small model, so its flattening holds the model's gradients twice. Each
+    reduce-scatter may stage a copy of its input (``reduce_scatter_staging``). Stage 3
+    also holds the unit being computed gathered whole (``zero/gather``: one at a time).
+    The optimizer steps each unit's flat slice: its temporaries are at the largest one."""
+    params, shard = costs.param_bytes(), 1.0 / replicas
+    held = (params * shard if stage == 3 else params) + costs.frozen_bytes()
+    base = held + costs.optimizer.state_bytes(
+        costs.elements() * shard, units(costs, stage, options.get("bucket_mb", 25.0))
+    )
+    recompute = bool(options.get("recompute"))
+    kept = stage == 1 or run.gradient_accumulation > 1
+    grads = params if stage == 1 else params * shard
+    widest = max((layer.param_bytes for layer in costs.layers), default=0)
+    backward = (
+        base
+        + (params if kept else 0.0)
+        + backward_peak(
+            costs,
+            samples,
+            batch_samples=run.global_batch,
+            recompute=recompute,
+            grads_kept=kept,
+            kept_share=1.0 if stage == 1 else shard,
+            unit_extra=1.0 if stage == 3 else 0.0,
+            scatter=max(2.0, 1.0 + reduce_scatter_staging(backend, 1.0) + shard)
+            if stage == 3
+            else 0.0,
+        )
+    )
+    bucket = min(params, options.get("bucket_mb", 25.0) * MiB)
+    staging = reduce_scatter_staging(backend, bucket)
+    # stage 1: full gradients kept, the staged copy and the slice; stage 2: a unit's
+    # gradients and their flat copy, then (the gradients dropped) the flat, the staged
+    # copy and the slice
+    scattering = staging + bucket * shard
+    reduce = base + params + (max(bucket, scattering) if stage == 2 else scattering)
+    unit_elements = (
+        max((layer.param_elements for layer in costs.layers), default=0)
+        if stage == 3
+        else bucket / max(1, params) * costs.elements()
+    )
+    step = base + grads + step_temporaries(costs, unit_elements * shard)
+    if stage == 3:  # the unit in use during forward, with everything forward saved;
+        # its reduce-scatters are each unit's, in backward
+        forward = base + widest + activations(costs, run, samples, recompute)
+        return backward, step, forward
+    return backward, reduce, step
 
 
 def predict(
@@ -55,6 +126,10 @@ def predict(
         activations=activations(costs, run, samples, recompute),
         gradients_persist=stage == 1,
     )
+    moments = live_moments(
+        costs, run, samples, options, stage=stage, replicas=replicas, backend=machine.backend
+    )
+    memory = with_transient(memory, moments=moments)
     workers = replicas * costs.tensor
     one = compute_seconds(costs, samples, accumulation, recompute)
     one += costs.optimizer.step_s_per_element * costs.elements() * shard

@@ -1,0 +1,210 @@
+"""The planner's memory against an independent count: ``bench_planner.py --part memory``.
+
+For each configuration, ``paratrain.predict``'s ``predicted_peak_bytes`` against the peak
+of live tensor storages on the worker that peaks highest (``runtime/live_tensors``:
+every storage an operator made, counted from before the model is built to after the
+last step), not against the engines' own ledger, which the prediction once merely agreed
+with. The ledger's peak is shown beside it. Hugging Face GPT-2 and Llama (tiny configs,
+no download) join the three models of ``bench_planner``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+from paratrain.planner.api import predict
+from paratrain.runtime.live_tensors import LiveTensors
+from paratrain.runtime.units import format_bytes
+
+HF = {"gpt2", "llama"}
+HF_LENGTH, HF_VOCAB = 32, 256
+
+
+def build(name: str):
+    """A model of ``bench_planner`` or a tiny Hugging Face one (no dropout)."""
+    if name not in HF:
+        import bench_planner
+
+        return bench_planner.build(name)
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=HF_VOCAB,
+                n_positions=HF_LENGTH,
+                n_embd=128,
+                n_layer=2,
+                n_head=4,
+                bos_token_id=0,
+                eos_token_id=0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=HF_VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=HF_LENGTH,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
+def batch(name: str, size: int, seed: int = 0):
+    if name not in HF:
+        import bench_planner
+
+        return bench_planner.batch(name, size, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, HF_VOCAB, (size, HF_LENGTH), generator=generator)
+    return {"input_ids": ids}, ids.clone()
+
+
+def loss(name: str):
+    if name not in HF:
+        import bench_planner
+
+        return bench_planner.loss(name)
+    from paratrain.losses import causal_lm_cross_entropy
+
+    return causal_lm_cross_entropy
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def live_worker(name, strategy, options, global_batch, steps):
+    """Train ``steps`` steps inside a live count; this worker's live peak and ledger peak."""
+    batches = [batch(name, global_batch, seed=step) for step in range(steps)]
+    with LiveTensors() as live:
+        engine = paratrain.setup(
+            build(name), optimizer=adam, loss_fn=loss(name), strategy=strategy, **options
+        )
+        for x, y in batches:
+            if dist.is_initialized():
+                dist.barrier()
+            engine.train_step(x, y)
+        ledger = engine.memory_report()["total"]["peak"]
+    return {"live": live.peak, "ledger": ledger}
+
+
+def measure(name, strategy, options, devices, global_batch, steps):
+    """The highest worker's live peak and ledger peak."""
+    args = (name, strategy, options, global_batch, steps)
+    if strategy == "single":
+        results = [live_worker(*args)]
+    else:
+        results = paratrain.launch(live_worker, devices=devices, args=args)
+    return max(r["live"] for r in results), max(r["ledger"] for r in results)
+
+
+CONFIGS = [
+    # (model, strategy, devices, options)
+    ("mlp", "single", 1, {}),
+    ("mlp", "single", 1, {"recompute": True}),
+    ("mlp", "dp", 2, {}),
+    ("mlp", "zero1", 2, {}),
+    ("mlp", "zero2", 2, {"recompute": True}),
+    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4}),
+    ("gpt", "single", 1, {}),
+    ("gpt", "single", 1, {"recompute": True}),
+    ("gpt", "single", 1, {"precision": "bf16", "gradient_accumulation": 2}),
+    ("gpt", "dp", 2, {"precision": "bf16"}),
+    ("gpt", "zero3", 2, {}),
+    ("gpt", "zero3", 2, {"recompute": True}),
+    ("gpt", "tp", 2, {}),
+    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4}),
+    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "gpipe"}),
+    ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8}),
+    ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "gpipe"}),
+    ("gpt", "pipeline", 4, {"stages": 2, "tensor": 2, "micro_batches": 4, "recompute": True}),
+    ("blocks", "single", 1, {}),
+    ("blocks", "dp", 2, {}),
+    ("blocks", "dp", 2, {"recompute": True}),
+    ("blocks", "zero3", 2, {}),
+    ("blocks", "zero3", 2, {"units": "Linear"}),
+    ("blocks", "zero2", 2, {"bucket_mb": 0.25}),
+    ("blocks", "pipeline", 2, {"stages": 2, "precision": "bf16"}),
+    ("blocks", "tp", 2, {}),
+    ("gpt2", "single", 1, {}),
+    ("gpt2", "zero3", 2, {}),
+    ("llama", "dp", 2, {}),
+    ("llama", "zero1", 2, {"precision": "bf16"}),
+]
+"""Every strategy but ``ps`` (never proposed), recompute on and off, bf16, the pipeline at
+2 and 4 stages under 1F1B and GPipe, tp and pipeline x tensor, zero3 with units of a
+layer and of one linear each, zero2 with small buckets, and Hugging Face models."""
+
+
+def memory_part(global_batch: int, steps: int) -> list[dict]:
+    print(
+        "\n| model | strategy | workers | options | predicted | live peak | ledger peak | error |"
+    )
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for name, strategy, devices, options in CONFIGS:
+        fixed = dict(options)
+        precision = fixed.pop("precision", "fp32")
+        accumulation = fixed.pop("gradient_accumulation", 1)
+        plan = predict(
+            build(name),
+            strategy=strategy,
+            devices=devices,
+            global_batch=global_batch,
+            optimizer=adam,
+            loss_fn=loss(name),
+            sample=batch(name, global_batch),
+            precision=precision,
+            gradient_accumulation=accumulation,
+            **fixed,
+        )
+        live, ledger = measure(name, strategy, plan.options, devices, global_batch, steps)
+        error = plan.predicted_peak_bytes / live - 1
+        rows.append(
+            {
+                "model": name,
+                "strategy": strategy,
+                "devices": devices,
+                "options": options,
+                "predicted_peak": plan.predicted_peak_bytes,
+                "live_peak": live,
+                "ledger_peak": ledger,
+                "error": error,
+                "predicted": plan.predicted_memory,
+            }
+        )
+        shown = ", ".join(f"{k}={v}" for k, v in options.items()) or "-"
+        print(
+            f"| {name} | {strategy} | {devices} | {shown} | "
+            f"{format_bytes(plan.predicted_peak_bytes)} | {format_bytes(live)} | "
+            f"{format_bytes(ledger)} | {error:+.1%} |",
+            flush=True,
+        )
+    worst = max(abs(r["error"]) for r in rows)
+    under = min(r["error"] for r in rows)
+    print(
+        f"\nworst error {worst:.1%}, largest under-prediction {min(0.0, under):.1%}, over "
+        f"{len(rows)} configurations"
+    )
+    return rows
+
+
+if __name__ == "__main__":  # some rows again: python benchmarks/planner_memory.py 4 23
+    import sys
+
+    chosen = [CONFIGS[int(index)] for index in sys.argv[1:]] or CONFIGS
+    CONFIGS[:] = chosen
+    memory_part(16, 4)
