@@ -96,20 +96,32 @@ class TorchLlama:
                 if isinstance(getattr(attention, count, None), int):
                     setattr(attention, count, getattr(attention, count) // tensor)
             parallelize_module(layer, mesh, plan)
-        params = self.model.parameters()
-        self.optimizer = torch.optim.Adam(params, lr=1e-4, fused=True) if fused else adam(params)
+        self.optimizers = fused_adams(self.model) if fused else [adam(self.model.parameters())]
         self.losses: list[float] = []
 
     def state(self) -> tuple:
-        return self.model, self.optimizer
+        return self.model, *self.optimizers
 
     def step(self, inputs: dict, labels: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         total, count = causal_lm_cross_entropy(self.model(**inputs), labels)
         loss = total / count
         loss.backward()
-        self.optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
         self.losses.append(float(loss.detach()))
+
+
+def fused_adams(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's fused Adam, one over the DTensor parameters and one over the plain ones:
+    one fused call over both is refused by torch ("got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)]]
+    groups.append([p for p in params if not isinstance(p, DTensor)])
+    return [torch.optim.Adam(group, lr=1e-4, fused=True) for group in groups if group]
 
 
 class ParatrainLlama:
