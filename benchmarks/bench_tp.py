@@ -25,6 +25,9 @@ and one such gradient backward (before the colwise layer), and a ring moves
 
     python benchmarks/bench_tp.py            # tensor 2 and 4, 3 launches each
     python benchmarks/bench_tp.py --quick    # one short launch each
+    python benchmarks/bench_tp.py --model llama   # Hugging Face's Llama, tensor 2
+                                                  # (bench_tp_llama.py: samples/s, peak memory)
+    python benchmarks/bench_tp.py --model llama --fused-adam   # torch's Adam fused too
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from alternation import median_step_times, over_launches, slowest_rank
+from bench_tp_llama import LLAMA, LLAMA_HEADER, format_llama_row, run_llama
 from torch import nn
 
 import paratrain
@@ -228,7 +232,11 @@ def format_row(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensor", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--model", choices=["gpt", "llama"], default="gpt")
+    parser.add_argument(
+        "--fused-adam", action="store_true", help="llama: torch's side asks for fused Adam too"
+    )
+    parser.add_argument("--tensor", nargs="+", type=int, default=None, help="gpt: 2 4; llama: 2")
     parser.add_argument("--rounds", type=int, default=5, help="alternation rounds")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round")
     parser.add_argument("--repeats", type=int, default=3, help="launches per degree")
@@ -236,14 +244,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
     rounds, steps, repeats = (2, 3, 1) if args.quick else (args.rounds, args.steps, args.repeats)
+    if args.model == "llama":
+        degrees = args.tensor or [2]
+        return main_llama(degrees, rounds, steps, repeats, args.json, args.fused_adam)
     print(
         f"torch {torch.__version__}, gpt {CONFIG}, global batch {GLOBAL_BATCH}; {repeats} "
         f"launch(es) x {rounds} rounds x {steps} steps; medians over steps, then launches"
     )
     print(HEADER, flush=True)
-    rows = run(args.tensor, rounds, steps, repeats)
+    rows = run(args.tensor or [2, 4], rounds, steps, repeats)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def main_llama(
+    degrees: list[int], rounds: int, steps: int, repeats: int, out: Path | None, fused: bool
+) -> int:
+    print(
+        f"torch {torch.__version__}, LlamaForCausalLM {LLAMA}, batch 8 x 128 tokens; "
+        f"{repeats} launch(es) x {rounds} rounds x {steps} steps; medians over steps, then "
+        "launches; peak: PyTorch's MemTracker over one step, the largest worker; torch's "
+        f"Adam {'fused' if fused else 'as torch defaults'}"
+    )
+    print(LLAMA_HEADER, flush=True)
+    rows = []
+    for tensor in degrees:
+        rows.append(run_llama(tensor, rounds, steps, repeats, fused))
+        print(format_llama_row(rows[-1]), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2))
     return 0
 
 

@@ -162,18 +162,29 @@ def test_every_engine_trains_hugging_face_models_at_4_workers():
 
 
 @pytest.mark.slow
-def test_the_models_own_loss_is_the_global_token_mean_under_dp_and_zero2():
+def test_the_models_own_loss_is_the_global_token_mean_under_dp_zero2_and_the_pipeline():
     """Issue 25 item 3: labels in the dict batch and ``loss_fn=lambda outputs, _:
     outputs.loss``, uneven padding. Each forward gets ``num_items_in_batch`` (the global
     batch's labelled tokens over the engine's parts), so the parts' losses average to the
-    global token mean: dp and zero2 at 2 workers, and one process accumulating 2
-    micro-batches, equal the plain loop (before: each share's mean, 9e-2 off after 5 steps)."""
-    runs = [("dp", "llama", {}), ("zero2", "gpt2", {})]
+    global token mean: dp and zero2 at 2 workers, the pipeline cut at a named split point
+    (2 stages, GPipe over 2 micro-batches and 1F1B over 4: the last stage runs the model's
+    own loss on each micro-batch), and one process accumulating 2 micro-batches, equal the
+    plain loop (before: each share's mean, 9e-2 off after 5 steps)."""
+    runs = [
+        ("dp", "llama", {}),
+        ("zero2", "gpt2", {}),
+        ("pipeline", "llama", _stages("model.layers.1", micro_batches=2, schedule="gpipe")),
+        ("pipeline", "gpt2", _stages("transformer.h.1", micro_batches=4, schedule="1f1b")),
+    ]
     results = paratrain.launch(hf_workers.train_own_loss, devices=2, args=(runs,))[0]
     results += hf_workers.train_own_loss([("single", "llama", {"gradient_accumulation": 2})])
     runs += [("single", "llama", {})]
     references = {kind: plain_loop(kind, "sgd") for kind in ("llama", "gpt2")}
     assert_each_run_matches(runs, results, references)
+
+
+def _stages(split_point: str, **options) -> dict:
+    return {"stages": 2, "split_points": [split_point], **options}
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """num_items_in_batch for a Hugging Face model's own loss (parallel/model_loss_items.py):
 which models take it, the count (shifted as their causal loss shifts), and the notice
 where a model does not take it. The engines' parity with it is in tests/test_hf_models.py
-(``test_the_models_own_loss_is_the_global_token_mean_under_dp_and_zero2``)."""
+(``test_the_models_own_loss_is_the_global_token_mean_under_dp_zero2_and_the_pipeline``)."""
 
 from __future__ import annotations
 

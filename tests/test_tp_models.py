@@ -66,11 +66,15 @@ def test_llama_gpt2_and_nanogpt_split_by_heads_train_as_one_process():
 
 WIDER = [
     ("tp", "nanogpt", "sgd", {}),
+    ("tp", "llama", "sgd", {}),
+    ("tp", "llama", "adam", {}),
     ("dp", "llama", "sgd", {"tensor": 2}),
     ("dp", "gpt2", "adam", {"tensor": 2}),
     ("zero2", "nanogpt", "adam", {"tensor": 2}),
 ]
-"""4 workers: nanoGPT at tensor 4 (its 4 heads one each), then 2 replicas x 2 tensor."""
+"""4 workers: nanoGPT at tensor 4 (its 4 heads one each), Llama at tensor 4 (4 query heads
+one each; its 2 key-value heads kept whole and sliced, ranks 0-1 reading head 0, ranks 2-3
+head 1), then 2 replicas x 2 tensor."""
 
 
 @pytest.mark.slow
@@ -99,9 +103,22 @@ def test_the_issues_llama_plan_is_refused_with_the_plan_that_works():
     assert "'model.layers.0.self_attn.o_proj': 'rowwise'" in sentence
 
 
-def test_key_value_heads_that_tensor_does_not_divide_are_refused():
-    with pytest.raises(ValueError, match="has 2 key-value heads, which tensor=4 does not"):
-        resolve_plan(llama(), 4, None)
+def test_key_value_heads_neither_divided_nor_sliced_are_refused():
+    """Llama's 2 key-value heads at tensor 4 are sliced (trained in the 4-worker test);
+    3 at tensor 2 would give a rank's query heads parts of two: refused."""
+    assert resolve_plan(llama(), 4, None).attention
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=36,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+    )
+    with pytest.raises(ValueError, match="has 3 key-value heads, which tensor=2 does not"):
+        resolve_plan(LlamaForCausalLM(config), 2, None)
 
 
 class Untraceable(nn.Module):

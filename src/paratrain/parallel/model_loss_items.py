@@ -75,6 +75,13 @@ def with_num_items(model: nn.Module, inputs: Any, parts: int, loss_fn: Any) -> i
     return None
 
 
-def part_inputs(part: Any, items: int | None, parts: int) -> Any:
-    """A part's dict batch with ``items / parts`` added (as it is where ``items`` is None)."""
-    return part if items is None else {**part, KEYWORD: torch.tensor(items / parts)}
+def part_inputs(part: Any, items: int | None, parts: int, *, as_tensor: bool = True) -> Any:
+    """A part's dict batch with ``items / parts`` added (as it is where ``items`` is None).
+
+    ``as_tensor=False`` passes a Python number, which Hugging Face's loss divides by just
+    the same: the pipeline's stages hand every tensor among a block's arguments to the next
+    stage, and Hugging Face passes its forward's keywords on to every block, so a tensor
+    count would travel between stages (and take a gradient) for nothing."""
+    if items is None:
+        return part
+    return {**part, KEYWORD: torch.tensor(items / parts) if as_tensor else items / parts}

@@ -68,6 +68,7 @@ from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerPieces, is_layer_list, layer_list
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.pipeline.chunks import (
     Chunk,
     build_chunks,
@@ -224,6 +225,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.link = links[-1]  # the last chunk's: the step's loss travels along it
         self._totals: LossTotals | None = None  # the step's losses, on the last stage
         self._step_loss: torch.Tensor | None = None
+        self._items: int | None = None  # the step's num_items_in_batch (``_num_items``)
         self.events: list[dict[str, Any]] = []
         self.runner = ScheduleRunner(
             self.actions, self.mesh.stage, links=links, memory=self.memory, events=self.events
@@ -410,6 +412,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             device=self._device,
         )
         self._step_loss = None
+        self._items = self._num_items(inputs, rounds * micro * replicas)
         for index, (round_in, round_tgt) in enumerate(
             zip(split_micro(share_in, rounds), split_micro(share_tgt, rounds), strict=True)
         ):
@@ -523,9 +526,11 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     def _run_round(self, inputs: Any, targets: Any, *, final: bool) -> None:
         """One pass of the schedule over ``micro_batches`` micro-batches (``runner``)."""
         micro = self.micro_batches
+        parts = self.gradient_accumulation * micro * self.mesh.replicas
         micro_in = split_micro(inputs, micro) if self._needs_inputs else []
+        micro_in = [part_inputs(one, self._items, parts, as_tensor=False) for one in micro_in]
         micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
-        scale = 1.0 / (self.gradient_accumulation * micro * self.mesh.replicas)  # a mean's
+        scale = 1.0 / parts  # a mean's
         passes = _RoundPasses(self, micro_in, micro_tgt, scale)
         self.runner.run_round(passes, micro_batches=micro, step=self.steps_taken + 1, final=final)
 
@@ -640,6 +645,17 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             shared=whole,
             shared_by=self.mesh.tensor,
         )
+
+    def _num_items(self, inputs: Any, parts: int) -> int | None:
+        """``num_items_in_batch`` for a model cut at split points (``model_loss_items``):
+        every stage runs the model's own forward on the micro-batch, the last one computing
+        its loss from the labels, so each micro-batch's ``outputs.loss`` is its token sum
+        over the global count times ``parts``, and the micro-batches' average the global
+        token mean. A layer list's last stage sees activations only, never the labels: its
+        loss is ``loss_fn``'s, which nothing here changes."""
+        if self.named is None:
+            return None
+        return with_num_items(self.module, inputs, parts, self.loss_fn)
 
     @property
     def _needs_inputs(self) -> bool:

@@ -11,7 +11,9 @@ We recognise four shapes and split each by heads, rank ``r`` holding heads
   ``n_head``); its forward takes the width from its input, so it is replaced by
   ``NanoGPTHeadParallel``, which runs the same operations on the rank's heads;
 - ``separate``: Hugging Face's q_proj / k_proj / v_proj / o_proj with ``head_dim`` (Llama,
-  Mistral, Qwen2; grouped key-value heads split when ``tensor`` divides their count);
+  Mistral, Qwen2; grouped key-value heads split when ``tensor`` divides their count,
+  and where ``tensor`` is a multiple of it kept whole and sliced, each rank computing the
+  one key-value head its query heads read, ``KeyValueHeadSlice``);
 - ``packed``: GPT-2's ``c_attn`` / ``c_proj`` (``Conv1D``), q, k and v each sliced by
   heads, ``split_size`` and ``num_heads`` set to the slice's.
 
@@ -33,7 +35,7 @@ from paratrain.parallel.tensor.attention import (
     is_reference_attention,
 )
 from paratrain.parallel.tensor.detect import is_conv1d, out_width
-from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear
+from paratrain.parallel.tensor.layers import ColwiseLinear, KeyValueHeadSlice, RowwiseLinear
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "split_size")
 """Module attributes that count a slice's heads (or its width): divided by ``tensor``."""
@@ -90,13 +92,28 @@ def check_heads(name: str, shape: AttentionShape, tensor: int) -> None:
     counts = [("query heads", shape.heads), ("key-value heads", shape.kv_heads)]
     if shape.heads == shape.kv_heads:
         counts = [("heads", shape.heads)]
+    elif slices_key_values(shape, tensor):
+        counts = counts[:1]
     for what, count in counts:
         if count % tensor:
+            sliced = " or a multiple of them" if what == "key-value heads" else ""
             raise ValueError(
                 f"attention {name!r} has {count} {what}, which tensor={tensor} does not "
                 f"divide (each slice must hold whole heads); choose a tensor that divides "
-                f"{count}, or replicate it by leaving {shape.plan_text(name)} out of tp_plan."
+                f"{count}{sliced}, or replicate it by leaving {shape.plan_text(name)} out "
+                "of tp_plan."
             )
+
+
+def slices_key_values(shape: AttentionShape, tensor: int) -> bool:
+    """Whether the key-value heads are kept whole and sliced: grouped heads that ``tensor``
+    does not divide but is a multiple of, so that each rank's query heads read one."""
+    return (
+        shape.kind == "separate"
+        and shape.kv_heads % tensor != 0
+        and tensor % shape.kv_heads == 0
+        and shape.heads % tensor == 0
+    )
 
 
 def split_attention(
@@ -110,16 +127,21 @@ def split_attention(
     if shape.kind == "nanogpt":
         return NanoGPTHeadParallel(module, rank=rank, tensor=tensor, group=group)
     blocks = 3 if shape.kind == "packed" else 1
+    sliced = slices_key_values(shape, tensor)
     for child in shape.inputs:
         layer = getattr(module, child)
-        setattr(
-            module,
-            child,
-            ColwiseLinear(layer, rank=rank, tensor=tensor, group=group, blocks=blocks),
-        )
+        if sliced and child != "q_proj":  # this rank's query heads read one kv head
+            head, dim = rank * shape.kv_heads // tensor, module.head_dim
+            layer = KeyValueHeadSlice(layer, head=head, head_dim=dim, group=group)
+        else:
+            layer = ColwiseLinear(layer, rank=rank, tensor=tensor, group=group, blocks=blocks)
+        setattr(module, child, layer)
     layer = getattr(module, shape.output)
     setattr(module, shape.output, RowwiseLinear(layer, rank=rank, tensor=tensor, group=group))
     for attribute in HEAD_COUNTS:
         if isinstance(getattr(module, attribute, None), int):
             setattr(module, attribute, getattr(module, attribute) // tensor)
+    if sliced:  # every query head of the slice reads its one key-value head
+        module.num_key_value_heads = 1
+        module.num_key_value_groups = shape.heads // tensor
     return module

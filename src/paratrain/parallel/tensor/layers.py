@@ -11,6 +11,9 @@ state-dict keys do not change, and its forward's meaning:
   the bias is counted once and its gradient (the whole output's) is exact on every rank.
 - GPT-2's ``Conv1D`` (``x @ weight + bias``, its weight stored (in, out)) splits alike,
   along the other dimension of its weight (``transposed``).
+- ``KeyValueHeadSlice``: a key or value projection kept whole on every rank (fewer
+  key-value heads than ranks), its output sliced to the one head this rank's query heads
+  read; its input and parameters pass ``f``, so their gradients are summed over the ranks.
 - ``VocabEmbedding``: rows (token ids) split; a rank looks up the ids it holds, zeros the
   others, and ``g`` sums the ranks' rows.
 """
@@ -77,6 +80,35 @@ class RowwiseLinear(nn.Module):
         weight = self.weight.t() if self.transposed else self.weight
         out = reduce_from_tensor_group(F.linear(x, weight), self.group)
         return out if self.bias is None else out + self.bias
+
+
+class KeyValueHeadSlice(nn.Module):
+    """A whole key or value projection whose output is cut to key-value head ``head``.
+
+    With fewer key-value heads than ranks (``tensor`` a multiple of their count), the
+    query heads of a rank all read one key-value head, which several ranks share: each
+    rank keeps the projection whole (replicated, like a norm) and computes only that
+    head's features from it. Each rank's gradient of the weight then covers that head's
+    rows for its own query heads; ``f`` on the weight and bias sums them over the ranks
+    (identity forward, all-reduce backward), so every rank holds the whole gradient, equal
+    on each, and the replicas stay equal. ``f`` on the input sums its partial gradient as
+    a colwise layer's does."""
+
+    def __init__(
+        self, linear: nn.Linear, *, head: int, head_dim: int, group: ProcessGroup | None
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.weight, self.bias = linear.weight, linear.bias
+        self.start, self.end = head * head_dim, (head + 1) * head_dim
+        self.in_features, self.out_features = linear.in_features, head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tensor_group(self.weight, self.group)[self.start : self.end]
+        bias = None
+        if self.bias is not None:
+            bias = copy_to_tensor_group(self.bias, self.group)[self.start : self.end]
+        return F.linear(copy_to_tensor_group(x, self.group), weight, bias)
 
 
 class VocabEmbedding(nn.Module):
