@@ -73,7 +73,7 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
     assert 0.0 < row["bubble_measured"] < 1.0
     # (p - 1) / (m + p - 1) in float64: one rounding, far inside approx's default 1e-6.
     assert row["bubble_theory"] == pytest.approx(1 / 9)
-    assert "| mlp | 2 x 8 | 1f1b |" in bench.format_row(row)
+    assert "| mlp | 2 x 8 | 1f1b (Schedule1F1B) |" in bench.format_row(row)
 
 
 @pytest.mark.slow
