@@ -44,8 +44,30 @@ def is_layer_list(model: nn.Module) -> bool:
     return True
 
 
+class _HeldKeys:
+    """A state dict between the held layers' local keys and the full model's: the
+    subclass says how one key maps (``canonical``, and ``local``: None where not held)."""
+
+    def canonical(self, local_key: str) -> str:
+        raise NotImplementedError
+
+    def local(self, canonical_key: str) -> str | None:
+        raise NotImplementedError
+
+    def to_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.canonical(key): value for key, value in state.items()}
+
+    def from_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        picked = {}
+        for key, value in state.items():
+            local = self.local(key)
+            if local is not None:
+                picked[local] = value
+        return picked
+
+
 @dataclass(frozen=True)
-class LayerSlice:
+class LayerSlice(_HeldKeys):
     """Layers ``[start, end)`` of a layer list whose keys carry ``prefix``."""
 
     start: int
@@ -66,20 +88,9 @@ class LayerSlice:
             return None
         return f"{int(index) - self.start}.{rest}"
 
-    def to_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.canonical(key): value for key, value in state.items()}
-
-    def from_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        picked = {}
-        for key, value in state.items():
-            local = self.local(key)
-            if local is not None:
-                picked[local] = value
-        return picked
-
 
 @dataclass(frozen=True)
-class LayerPieces:
+class LayerPieces(_HeldKeys):
     """Layers at ``indices`` of a layer list (several non-adjacent runs of it, as a worker
     of an interleaved pipeline holds), kept under local indices ``0 .. len(indices) - 1``
     in that order; keys carry ``prefix``. One run ``range(start, end)`` is ``LayerSlice``."""
@@ -100,14 +111,3 @@ class LayerPieces:
         if not index.isdigit() or int(index) not in self.indices:
             return None
         return f"{self.indices.index(int(index))}.{rest}"
-
-    def to_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.canonical(key): value for key, value in state.items()}
-
-    def from_canonical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        picked = {}
-        for key, value in state.items():
-            local = self.local(key)
-            if local is not None:
-                picked[local] = value
-        return picked
