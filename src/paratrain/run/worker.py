@@ -349,7 +349,9 @@ def finish(run: WorkerRun, preempted_at: int | None, restarts: int = 0) -> dict[
     checkpoint = engine.save_checkpoint(
         checkpoint, metadata=checkpoint_metadata(run.config, run.train_loader, run.eval_loader)
     )
-    if preempted_at is not None:  # ps: the folder another worker wrote, at its own step
+    if preempted_at is not None and checkpoint.name.startswith("step-"):
+        # ps: the folder the first worker to save wrote, at its own step (it may also be
+        # "final", where that worker had finished the run when the signal came)
         preempted_at = int(checkpoint.name.removeprefix("step-"))
     write_memory(engine, run.metrics)
     total = time.perf_counter() - run.timed_from
