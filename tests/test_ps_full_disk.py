@@ -30,6 +30,7 @@ from paratrain.checkpoints.format import Checkpoint, CheckpointWriteError, save_
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.ps.checkpointing import ServerCheckpoints
 from paratrain.parallel.ps.protocol import decode_json, encode_json, error_value, reply_error
+from tests.processes import process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = os.strerror(errno.ENOSPC)  # "No space left on device"
@@ -115,18 +116,6 @@ def _mount_small_tmpfs(where: Path, size: str) -> None:
         pytest.skip(f"a small tmpfs cannot be mounted here ({mounted.stderr.strip()})")
 
 
-def _process_group(pgid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mounts a Linux tmpfs")
 @pytest.mark.skipif(shutil.which("mount") is None, reason="no mount command")
@@ -156,9 +145,9 @@ def test_ps_on_a_full_tmpfs_says_one_sentence_and_leaves_nothing(tmp_path):
         assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
         assert Checkpoint(kept).step == 2
         deadline = time.monotonic() + 15
-        while _process_group(process.pid) and time.monotonic() < deadline:
+        while process_group(process.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _process_group(process.pid)
+        left = process_group(process.pid)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, "a process of the job (a worker or the server) outlived it"

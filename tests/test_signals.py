@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.checkpoints.format import Checkpoint
+from tests.processes import process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [
@@ -123,19 +124,6 @@ def test_ctrl_c_stops_every_process_with_one_line(tmp_path, progress):
     assert _gone(workers), "a worker process outlived Ctrl-C"
 
 
-def _process_group(pgid: int) -> list[int]:
-    """Every live process of a process group (the launcher, its workers, ps's servers)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def _command(pid: int) -> str:
     """A live process's command line (what a failed check shows), or "" once it is gone."""
     try:
@@ -154,7 +142,7 @@ def test_sigterm_to_every_process_of_a_ps_job_saves_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     process = _start(["--strategy", "ps", "--steps", "100000", "--run-dir", str(run)])
     _wait_for_training(run / "metrics.jsonl", process)
-    everyone = _process_group(process.pid)
+    everyone = process_group(process.pid)
     assert len(everyone) >= 4, "expected the launcher, two workers and a server"
     os.killpg(process.pid, signal.SIGTERM)
     out, err = process.communicate(timeout=120)
