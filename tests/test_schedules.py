@@ -214,7 +214,7 @@ def test_get_schedule_names_the_choices():
     assert get_schedule("gpipe") is gpipe
     assert get_schedule("1f1b") is one_f_one_b
     assert get_schedule("zb-h1") is zb_h1
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "zb-h1"]
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "zb-h1", "zb-h2"]
     with pytest.raises(
         ScheduleError, match="unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b"
     ):

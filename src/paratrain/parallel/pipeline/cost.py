@@ -7,8 +7,8 @@ under ``tensor``), their gradients (kept between steps in the replicas' buckets,
 None at each step's start without replicas), their optimizer state, the activations of
 the micro-batches its schedule has in flight (read off the schedule's own action lists,
 ``schedules.max_in_flight``: 1F1B ``min(stages - stage, m)``, GPipe all ``m``, interleaved
-1F1B in (micro-batch, chunk) pairs of ``1/v`` of the stage each, ZB-H1 from F to W, since
-W still holds each layer's graph; under ``recompute`` only each one's stage input: the
+1F1B in (micro-batch, chunk) pairs of ``1/v`` of the stage each, ZB-H1 and ZB-H2 from F
+to W, since W still holds each layer's graph; under ``recompute`` only each one's stage input: the
 stage is checkpointed as one segment), and the point-to-point
 buffers (``p2p``): the round's sends until the flush (activations and the header to the
 next stage, input gradients and the loss to the previous one), and the gradient receives
@@ -19,7 +19,7 @@ with its sends, then the replicas' gradient all-reduce and the optimizer step, p
 accumulation round. Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of
 ``stages - 1``; ZB-H1 idles ``stages - 1`` times ``F + B - W`` of the slowest stage, where
 B (the input's gradient) and W (the weights') each take half the backward, so the idle
-is about one forward per slot.
+is about one forward per slot; ZB-H2's is read off its own lists replayed on that clock.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from paratrain.parallel.pipeline.options import (
     micro_batches_per_replica,
 )
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
-from paratrain.parallel.pipeline.schedules import build_schedule, max_in_flight
+from paratrain.parallel.pipeline.schedules import build_schedule, max_in_flight, timed_bubble
 from paratrain.parallel.pipeline.structure import HEADER_BYTES
 from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
@@ -72,9 +72,17 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int, chunks
     return peak / chunks if chunks > 1 else peak
 
 
-def idle_slots(schedule: str, stages: int, chunks: int, forward_share: float) -> float:
+def idle_slots(
+    schedule: str, stages: int, chunks: int, forward_share: float, *, micro_batches: int
+) -> float:
     """The bubble in slots of the slowest stage's micro-batch (``forward_share``: its
-    forward's share of forward + backward, for ZB-H1's ``F + B - W``)."""
+    forward's share of forward + backward, for ZB-H1's ``F + B - W``; ZB-H2's is its own
+    action lists replayed on that clock, ``timed_bubble``)."""
+    if schedule == "zb-h2":
+        half = (1.0 - forward_share) / 2
+        times = {"forward": forward_share, "backward": half, "weight": half}
+        bubble = timed_bubble(build_schedule(schedule, stages, micro_batches), times)
+        return micro_batches * bubble / (1.0 - bubble)  # idle / work = bubble / (1 - bubble)
     if schedule == "zb-h1":
         return (stages - 1) * forward_share  # F + B - W with B = W = backward / 2
     return (stages - 1) / chunks
@@ -220,7 +228,7 @@ def predict(
     # every stage's micro-batches, on every replica and tensor rank, against the chain of
     # m + stages - 1 slots of the slowest stage
     work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
-    idle = idle_slots(schedule, stages, chunks, forward_share)
+    idle = idle_slots(schedule, stages, chunks, forward_share, micro_batches=micro)
     compute = machine.compute_seconds(work, rounds * (micro + idle) * slowest + optimizer)
     params_largest = max(
         costs.param_bytes(_worker_layers(bounds, s, stages)) for s in range(stages)

@@ -53,7 +53,9 @@ __all__ = [
     "simulate",
     "simulated_bubble",
     "splits_backward",
+    "timed_bubble",
     "zb_h1",
+    "zb_h2",
 ]
 
 
@@ -175,26 +177,63 @@ def zb_h1(stages: int, micro_batches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with its backward
     split into B and W, the W passes deferred to fill 1F1B's bubble.
 
-    Built by playing the pipeline on a clock where F, B and W each take one tick. A free
-    stage runs, in this order of preference: a W if ``stages`` are pending (B done, W
-    not); its next B if the output gradient has arrived; its next F if fewer
-    than ``stages - s`` micro-batches are between F and B (1F1B's bound); any pending W;
-    else it idles. Every kind runs in micro-batch order. The lists are then plain data
-    (``simulate`` replays them). With F = B = W the bubble is ``(p - 1) / (3m + p - 1)``,
-    the paper's ``(p - 1)(T_F + T_B - T_W)`` per stage, against 1F1B's
-    ``(p - 1) / (m + p - 1)`` (for m >= p). Memory: 1F1B's ``p - s`` micro-batches between
-    F and B, plus at most ``p`` whose W is pending; ``max_in_flight`` counts F to W.
+    Built by playing the pipeline on a clock where F, B and W each take one tick
+    (``_played``). A free stage runs, in this order of preference: a W if ``stages`` are
+    pending (B done, W not); its next B if the output gradient has arrived; its next F if
+    fewer than ``stages - s`` micro-batches are between F and B (1F1B's bound); any
+    pending W; else it idles. The lists are then plain data (``simulate`` replays them).
+    With F = B = W the bubble is ``(p - 1) / (3m + p - 1)``, the paper's
+    ``(p - 1)(T_F + T_B - T_W)`` per stage, against 1F1B's ``(p - 1) / (m + p - 1)`` (for
+    m >= p). Memory: 1F1B's ``p - s`` micro-batches between F and B, plus at most ``p``
+    whose W is pending; ``max_in_flight`` counts F to W.
     """
+    return _played(stages, micro_batches, _zb_h1_choice)
+
+
+def zb_h2(stages: int, micro_batches: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2023): ZB-H1 with more warm-up forwards, so that W fills the
+    bubble before the first B as well as after it.
+
+    Played on the same clock as ``zb_h1``. A free stage runs, in this order of preference:
+    a pending W if ``2p - 1`` micro-batches hold activations (F done, W not: the memory
+    cap); its next B if the output gradient has arrived; its next F if fewer than
+    ``2(p - s) - 1`` micro-batches are between F and B (as many as fit before the first
+    output gradient can arrive) and fewer than ``2p - 1`` hold activations; any pending
+    W; else it idles. Memory: up to ``min(2p - 1, m)`` micro-batches on every stage,
+    against ZB-H1's ``2p - 1 - s``. The step still ends with every stage's optimizer step
+    (a flush), so the idle ticks before a stage's first F and after its last W remain:
+    with F = B = W the bubble equals ZB-H1's, ``(p - 1) / (3m + p - 1)``, the least any
+    schedule with a flush has on that clock; where B takes longer than W (as measured by
+    ``simulate``'s ``weight_ticks``) ZB-H1's W passes no longer cover the wait for the
+    first output gradient, and ZB-H2's extra forwards do (``simulated_bubble``).
+    """
+    return _played(stages, micro_batches, _zb_h2_choice)
+
+
+Choice = Callable[
+    [int, int, int, dict[str, int], Callable[[tuple[str, int, int]], bool]], str | None
+]
+"""A zero-bubble rule: (stage, stages, micro-batches, the stage's counts of F, B and W
+run so far, whether an action has ended by now) -> the kind the stage runs now, or None."""
+
+
+def _played(stages: int, micro_batches: int, choice: Choice) -> Schedule:
+    """The action lists of a rule played on a clock where F, B and W each take one tick;
+    every kind runs in micro-batch order on each stage."""
     _check_counts(stages, micro_batches)
     order: list[list[Action]] = [[] for _ in range(stages)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> end tick
     counts = [{"F": 0, "B": 0, "W": 0} for _ in range(stages)]
     tick, total = 0, 3 * micro_batches * stages
     while len(done) < total:
+
+        def ready(key: tuple[str, int, int], now: int = tick) -> bool:
+            return done.get(key, now + 1) <= now
+
         started = [
             (kind, s, counts[s][kind])
             for s in range(stages)
-            if (kind := _zb_h1_choice(s, stages, micro_batches, counts[s], done, tick))
+            if (kind := choice(s, stages, micro_batches, counts[s], ready))
         ]
         for kind, s, micro in started:
             order[s].append(Action(kind, micro))
@@ -204,22 +243,42 @@ def zb_h1(stages: int, micro_batches: int) -> Schedule:
     return order
 
 
-def _zb_h1_choice(
-    s: int, stages: int, micro_batches: int, count: dict[str, int], done: dict, tick: int
-) -> str | None:
-    """The kind stage ``s`` runs at ``tick`` under ZB-H1's rule (see ``zb_h1``)."""
+def _next_b_ready(s: int, stages: int, micro_batches: int, count: dict[str, int], ready) -> bool:
+    """Whether stage ``s`` can run its next B: its F ran and the output gradient arrived."""
+    b = count["B"]
+    if b >= micro_batches or not ready(("F", s, b)):
+        return False
+    return s == stages - 1 or ready(("B", s + 1, b))
 
-    def ready(key: tuple[str, int, int]) -> bool:
-        return done.get(key, tick + 1) <= tick
 
+def _next_f_ready(s: int, micro_batches: int, count: dict[str, int], ready) -> bool:
+    """Whether stage ``s`` can run its next F: one remains and its input arrived."""
+    f = count["F"]
+    return f < micro_batches and (s == 0 or ready(("F", s - 1, f)))
+
+
+def _zb_h1_choice(s: int, stages: int, micro_batches: int, count: dict[str, int], ready):
+    """The kind stage ``s`` runs now under ZB-H1's rule (see ``zb_h1``)."""
     pending = count["B"] - count["W"]
     if pending > stages - 1:
         return "W"
-    b, f = count["B"], count["F"]
-    if b < micro_batches and ready(("F", s, b)):
-        if s == stages - 1 or ready(("B", s + 1, b)):
-            return "B"
-    if f < micro_batches and f - b < stages - s and (s == 0 or ready(("F", s - 1, f))):
+    if _next_b_ready(s, stages, micro_batches, count, ready):
+        return "B"
+    if _next_f_ready(s, micro_batches, count, ready) and count["F"] - count["B"] < stages - s:
+        return "F"
+    return "W" if pending else None
+
+
+def _zb_h2_choice(s: int, stages: int, micro_batches: int, count: dict[str, int], ready):
+    """The kind stage ``s`` runs now under ZB-H2's rule (see ``zb_h2``)."""
+    pending, cap = count["B"] - count["W"], 2 * stages - 1
+    holding = count["F"] - count["W"]
+    if pending and holding >= cap:
+        return "W"
+    if _next_b_ready(s, stages, micro_batches, count, ready):
+        return "B"
+    warm = count["F"] - count["B"] < 2 * (stages - s) - 1
+    if _next_f_ready(s, micro_batches, count, ready) and warm and holding < cap:
         return "F"
     return "W" if pending else None
 
@@ -233,13 +292,14 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
 }
-SPLIT_SCHEDULES = ("zb-h1",)
+SPLIT_SCHEDULES = ("zb-h1", "zb-h2")
 """The registered schedules that split the backward into B and W."""
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:
-    """The schedule function registered as ``name`` (``gpipe``, ``1f1b`` or ``zb-h1``)."""
+    """The schedule function registered as ``name`` (one of ``SCHEDULES``)."""
     if name not in SCHEDULES:
         raise ScheduleError(
             f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}."
@@ -407,6 +467,17 @@ def simulated_bubble(
     makespan = max(slot.end for slots in placed for slot in slots)
     busy = sum(slot.end - slot.start for slots in placed for slot in slots)
     return (len(placed) * makespan - busy) / (len(placed) * makespan)
+
+
+def timed_bubble(schedule: Schedule, times: dict[str, float], resolution: int = 20) -> float:
+    """``simulated_bubble`` with the mean seconds of a forward, an input-gradient B and a
+    weight W (``times``: ``forward``, ``backward``, ``weight``), as whole ticks, the
+    longest ``resolution`` ticks (at least one each); the idle time per stage is this
+    fraction of the makespan."""
+    t = [times["forward"], times["backward"], times["weight"]]
+    longest = max(t) if max(t) > 0 else 1.0
+    f, b, w = (max(1, round(resolution * x / longest)) for x in t)
+    return simulated_bubble(schedule, forward_ticks=f, backward_ticks=b + w, weight_ticks=w)
 
 
 def max_in_flight(schedule: Schedule) -> list[int]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from paratrain.parallel.pipeline.schedules import SPLIT_SCHEDULES, timed_bubble, zb_h2
+
 __all__ = [
     "StageEvent",
     "Timeline",
@@ -121,7 +123,7 @@ class Timeline:
     def theory(self, replica: int = 0) -> tuple[float, str]:
         """This run's theoretical bubble and its formula (``schedule_bubble``), ZB-H1's
         from the run's own mean F, B and W times."""
-        times = self.mean_times(replica) if self.schedule == "zb-h1" else None
+        times = self.mean_times(replica) if self.schedule in SPLIT_SCHEDULES else None
         if times is not None and len(times) < len(WORK_KINDS):
             times = None
         return schedule_bubble(
@@ -297,8 +299,13 @@ def schedule_bubble(
     the idle ticks by ``v``: ``(p-1)/(vm+p-1)``. ZB-H1 (Qi et al. 2023) idles
     ``(p-1)(F+B-W)`` per stage against ``m(F+B+W)`` of work, with ``F``, ``B``, ``W`` the
     mean forward, input-gradient and weight-gradient times (``times``: ``forward``,
-    ``backward``, ``weight``; equal thirds where not given)."""
+    ``backward``, ``weight``; equal thirds where not given). ZB-H2 has no closed form once
+    a step ends in a flush: its own action lists are replayed by ``simulated_bubble`` on a
+    clock of those times (``timed_bubble``)."""
     p, m, v = stages, micro_batches, virtual_stages
+    if schedule == "zb-h2":
+        equal = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
+        return timed_bubble(zb_h2(p, m), times or equal), "simulated on its lists with F, B, W"
     if schedule == "zb-h1":
         t = times or {"forward": 1.0, "backward": 1.0, "weight": 1.0}
         f, b, w = t["forward"], t["backward"], t["weight"]
