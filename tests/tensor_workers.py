@@ -10,7 +10,15 @@ from tests import tp_workers
 from tests.workers import parity_optimizer
 
 SEQUENTIAL_PLAN = {"*.up": "colwise", "*.down": "rowwise"}
-LAYOUT_OPTIONS = ("tensor", "tp_plan", "stages", "micro_batches", "schedule", "balance")
+LAYOUT_OPTIONS = (
+    "tensor",
+    "tp_plan",
+    "stages",
+    "micro_batches",
+    "schedule",
+    "balance",
+    "virtual_stages",
+)
 """What only the parallel engines take: the single-device reference drops them."""
 
 

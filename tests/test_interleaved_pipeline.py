@@ -55,11 +55,10 @@ def test_ties_name_the_stage_of_each_piece():
 
 
 def test_what_does_not_compose_is_refused_in_one_sentence():
-    refuse_for_virtual_stages(nn.Linear(1, 1), 1, tensor=2)  # one chunk: nothing to refuse
+    refuse_for_virtual_stages(nn.Linear(1, 1), 1)  # one chunk: nothing to refuse
     with pytest.raises(ValueError, match="named split points; use virtual_stages=1"):
-        refuse_for_virtual_stages(nn.Linear(1, 1), 2, tensor=1)
-    with pytest.raises(ValueError, match="does not compose with tensor=2"):
-        refuse_for_virtual_stages(nn.Sequential(nn.Linear(1, 1)), 2, tensor=2)
+        refuse_for_virtual_stages(nn.Linear(1, 1), 2)
+    refuse_for_virtual_stages(nn.Sequential(nn.Linear(1, 1)), 2)  # a layer list: runs
 
 
 def _check(results, cases, *, pieces):

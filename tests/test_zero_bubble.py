@@ -22,13 +22,11 @@ ZB = {"stages": 2, "schedule": "zb-h1"}
 
 def test_what_a_split_backward_does_not_compose_with_is_refused_in_one_sentence():
     layers = nn.Sequential(nn.Linear(1, 1))
-    refuse_for_split_backward(layers, "zb-h1", recompute=False, tensor=1)
+    refuse_for_split_backward(layers, "zb-h1", recompute=False)
     with pytest.raises(ValueError, match="needs a layer list"):
-        refuse_for_split_backward(nn.Linear(1, 1), "zb-h1", recompute=False, tensor=1)
+        refuse_for_split_backward(nn.Linear(1, 1), "zb-h1", recompute=False)
     with pytest.raises(ValueError, match="use recompute=False"):
-        refuse_for_split_backward(layers, "zb-h1", recompute=True, tensor=1)
-    with pytest.raises(ValueError, match="does not compose with tensor=2"):
-        refuse_for_split_backward(layers, "zb-h1", recompute=False, tensor=2)
+        refuse_for_split_backward(layers, "zb-h2", recompute=True)
 
 
 def _close(state, values, ref_state, ref_values, label):

@@ -37,19 +37,16 @@ class Chunk:
     """The last virtual stage: it computes the loss."""
 
 
-def refuse_for_virtual_stages(model: nn.Module, chunks: int, *, tensor: int) -> None:
-    """Refuse, in one sentence, what virtual stages do not compose with here."""
+def refuse_for_virtual_stages(model: nn.Module, chunks: int) -> None:
+    """Refuse, in one sentence, what virtual stages do not compose with here. Split layers
+    (``tensor``) do: each chunk's planned layers are split over the stage's tensor group,
+    and each chunk's link joins the same tensor rank of its neighbours."""
     if chunks == 1:
         return
     if not is_layer_list(model):
         raise ValueError(
             f"virtual_stages={chunks} cuts a layer list into stages x virtual_stages pieces, "
             "but this model is cut at named split points; use virtual_stages=1 for it."
-        )
-    if tensor > 1:
-        raise ValueError(
-            f"virtual_stages={chunks} does not compose with tensor={tensor} yet; use "
-            "virtual_stages=1 with tensor, or tensor=1 with virtual stages."
         )
 
 

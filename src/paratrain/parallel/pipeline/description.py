@@ -81,10 +81,10 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         stages, balance = layout.stages * chunks, run.options.get(BALANCE.name)
         split_points = run.options.get(SPLIT_POINTS.name)
         model = run.build_model()
-        refuse_for_virtual_stages(model, chunks, tensor=layout.tensor)
+        refuse_for_virtual_stages(model, chunks)
         if schedule in SPLIT_SCHEDULES:
             recompute = bool(given(run.options, RECOMPUTE))
-            refuse_for_split_backward(model, schedule, recompute=recompute, tensor=layout.tensor)
+            refuse_for_split_backward(model, schedule, recompute=recompute)
         if layout.tp_enabled:
             refuse_tensor_for_split_points(model)
             cls.check_tensor_plan(run, layout.tensor)
@@ -161,8 +161,8 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
             for tensor in divisors(devices // stages):
                 for micro in (stages, 2 * stages, 4 * stages):
                     for (schedule, chunks), recompute in product(schedules, (False, True)):
-                        if (recompute and schedule == "zb-h1") or (chunks > 1 and tensor > 1):
-                            continue  # refused by the engine (split_backward, chunks)
+                        if recompute and schedule in SPLIT_SCHEDULES:
+                            continue  # refused by the engine (split_backward)
                         layout = {"stages": stages, "micro_batches": micro}
                         if schedule != "1f1b":
                             layout["schedule"] = schedule

@@ -192,7 +192,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         stages, tensor, chunks = layout.stages, layout.tensor, layout.virtual_stages
         if tensor > 1:
             refuse_tensor_for_split_points(model)
-        refuse_for_virtual_stages(model, chunks, tensor=tensor)
+        refuse_for_virtual_stages(model, chunks)
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         pieces = stages * chunks
         balance = self._check_cut(model, pieces, balance, balance_by, split_points, recompute)
@@ -203,7 +203,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
         self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
         if self.split_backward:
-            refuse_for_split_backward(model, schedule, recompute=recompute, tensor=tensor)
+            refuse_for_split_backward(model, schedule, recompute=recompute)
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerPieces | None = None
@@ -306,13 +306,12 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         bounds = stage_bounds(self.balance)
         pieces = [range(*bounds[j]) for j in held_pieces(self.mesh.stage, stages, chunks)]
         held = [index for piece in pieces for index in piece]
-        start, end = bounds[self.mesh.stage]
-        if self.mesh.tensor > 1:  # one chunk (virtual stages refuse tensor)
-            mine = [layers[i] for i in range(start, end)]
+        if self.mesh.tensor > 1:  # every chunk's planned layers, over the tensor group
+            mine = [layers[i] for i in held]
             # the members cut their slices from one stage, their first member's
             state = [t for layer in mine for t in (*layer.parameters(), *layer.buffers())]
             comm.broadcast_tensors(state, src=0, group=self.mesh.tensor_group)
-            only = {f"{prefix}{i}" for i in range(start, end)}
+            only = {f"{prefix}{i}" for i in held}
             self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan, only=only)
             layers, prefix = layer_list(model)  # a split layer of the list is a new module
         self.slice = LayerPieces(tuple(held), prefix)

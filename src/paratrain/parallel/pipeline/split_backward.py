@@ -129,10 +129,13 @@ class LayerTape:
         self.layers = []
 
 
-def refuse_for_split_backward(
-    model: nn.Module, schedule: str, *, recompute: bool, tensor: int
-) -> None:
-    """Refuse, in one sentence, what a backward split into B and W does not compose with."""
+def refuse_for_split_backward(model: nn.Module, schedule: str, *, recompute: bool) -> None:
+    """Refuse, in one sentence, what a backward split into B and W does not compose with.
+
+    Split layers (``tensor``) compose: a tensor group's collectives sit inside autograd
+    functions (``tensor/mappings``), so B runs the input side's all-reduces and W, where a
+    weight lies below one (a layer norm before a colwise layer), runs that all-reduce again
+    on the same values; every member runs the same B and W in the same order."""
     if not is_layer_list(model):
         raise ValueError(
             f"schedule={schedule!r} splits the backward layer by layer, so it needs a layer "
@@ -142,9 +145,4 @@ def refuse_for_split_backward(
         raise ValueError(
             f"schedule={schedule!r} keeps each layer's graph from B until W, which recompute "
             "would rebuild twice; use recompute=False or schedule='1f1b'."
-        )
-    if tensor > 1:
-        raise ValueError(
-            f"schedule={schedule!r} does not compose with tensor={tensor} yet; use "
-            "schedule='1f1b' with tensor, or tensor=1."
         )
