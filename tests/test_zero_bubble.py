@@ -22,11 +22,9 @@ ZB = {"stages": 2, "schedule": "zb-h1"}
 
 def test_what_a_split_backward_does_not_compose_with_is_refused_in_one_sentence():
     layers = nn.Sequential(nn.Linear(1, 1))
-    refuse_for_split_backward(layers, "zb-h1", recompute=False)
+    refuse_for_split_backward(layers, "zb-h1")
     with pytest.raises(ValueError, match="needs a layer list"):
-        refuse_for_split_backward(nn.Linear(1, 1), "zb-h1", recompute=False)
-    with pytest.raises(ValueError, match="use recompute=False"):
-        refuse_for_split_backward(layers, "zb-h2", recompute=True)
+        refuse_for_split_backward(nn.Linear(1, 1), "zb-h2")
 
 
 def _close(state, values, ref_state, ref_values, label):
@@ -44,12 +42,19 @@ def test_zb_h1_matches_single_device_with_clipping_ties_accumulation_and_bf16():
         ("clip", "mlp", "adam", {**ZB, "micro_batches": 4}),
         ("tied", "gpt", "adam", {**ZB, "micro_batches": 4}),
         ("tied", "same_stage", "sgd", {**ZB, "micro_batches": 4}),
+        ("plain", "gpt", "adam", {**ZB, "micro_batches": 4, "recompute": True}),
+        (
+            "plain",
+            "mlp",
+            "sgd",
+            {"stages": 2, "schedule": "zb-h2", "micro_batches": 4, "recompute": True},
+        ),
         ("plain", "gpt", "adam", {**ZB, "micro_batches": 4, "precision": "bf16"}),
         ("plain", "gpt", "adam", {"stages": 2, "micro_batches": 4, "precision": "bf16"}),
     ]
     results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=2, args=(runs,))
     lead = results[0]
-    for (what, kind, opt, options), (state, values, kinds) in zip(runs[:6], lead, strict=False):
+    for (what, kind, opt, options), (state, values, kinds) in zip(runs[:8], lead, strict=False):
         assert kinds == ["backward", "forward", "weight"], (what, kind, kinds)
         if what == "clip":
             ref = clip_workers.train("single", kind, opt)
@@ -58,7 +63,7 @@ def test_zb_h1_matches_single_device_with_clipping_ties_accumulation_and_bf16():
         else:
             ref = workers.train_with("single", kind, opt, options.get("accumulation", 1))
         _close(state, values, *ref, f"{what} {kind} {opt}")
-    (zb_state, zb_losses, _), (plain_state, plain_losses, kinds) = lead[6], lead[7]
+    (zb_state, zb_losses, _), (plain_state, plain_losses, kinds) = lead[8], lead[9]
     assert kinds == ["backward", "forward"]
     _close(zb_state, zb_losses, plain_state, plain_losses, "bf16 zb-h1 against bf16 1f1b")
 

@@ -8,8 +8,9 @@ None at each step's start without replicas), their optimizer state, the activati
 the micro-batches its schedule has in flight (read off the schedule's own action lists,
 ``schedules.max_in_flight``: 1F1B ``min(stages - stage, m)``, GPipe all ``m``, interleaved
 1F1B in (micro-batch, chunk) pairs of ``1/v`` of the stage each, ZB-H1 and ZB-H2 from F
-to W, since W still holds each layer's graph; under ``recompute`` only each one's stage input: the
-stage is checkpointed as one segment), and the point-to-point
+to W, since W still holds each layer's graph; under ``recompute`` only each one's stage input:
+the stage is checkpointed as one segment; ZB-H1 and ZB-H2 checkpoint each layer, so they
+keep each layer's input and run the forward again in B and in W), and the point-to-point
 buffers (``p2p``): the round's sends until the flush (activations and the header to the
 next stage, input gradients and the loss to the previous one), and the gradient receives
 posted for the micro-batches in flight.
@@ -40,7 +41,12 @@ from paratrain.parallel.pipeline.options import (
     micro_batches_per_replica,
 )
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
-from paratrain.parallel.pipeline.schedules import build_schedule, max_in_flight, timed_bubble
+from paratrain.parallel.pipeline.schedules import (
+    SPLIT_SCHEDULES,
+    build_schedule,
+    max_in_flight,
+    timed_bubble,
+)
 from paratrain.parallel.pipeline.structure import HEADER_BYTES
 from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
@@ -187,6 +193,7 @@ def predict(
     micro = micro_batches_per_replica(stages, options.get(MICRO_BATCHES.name))
     schedule = given(options, SCHEDULE)
     recompute = bool(given(options, RECOMPUTE))
+    split = schedule in SPLIT_SCHEDULES
     rounds = run.gradient_accumulation
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
@@ -196,9 +203,9 @@ def predict(
     for stage in range(stages):
         layers = _worker_layers(bounds, stage, stages)
         held = in_flight(schedule, stages, stage, micro, chunks)
-        if recompute:
+        if recompute:  # a split backward checkpoints layer by layer (``LayerTape``)
             one = costs.recomputed_saved(
-                samples, layers, batch_samples=run.global_batch, one_segment=True
+                samples, layers, batch_samples=run.global_batch, one_segment=not split
             )
         else:
             one = costs.saved(samples, layers, batch_samples=run.global_batch)
@@ -215,9 +222,8 @@ def predict(
         )
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
-        per_micro = costs.time(samples, layers) + (
-            costs.forward_time(samples, layers) if recompute else 0.0
-        )
+        reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
+        per_micro = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
         per_micro += sum(machine.send.at(out) for out in outs)
         if per_micro > slowest:
             slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro

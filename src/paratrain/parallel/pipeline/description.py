@@ -83,8 +83,7 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         model = run.build_model()
         refuse_for_virtual_stages(model, chunks)
         if schedule in SPLIT_SCHEDULES:
-            recompute = bool(given(run.options, RECOMPUTE))
-            refuse_for_split_backward(model, schedule, recompute=recompute)
+            refuse_for_split_backward(model, schedule)
         if layout.tp_enabled:
             refuse_tensor_for_split_points(model)
             cls.check_tensor_plan(run, layout.tensor)

@@ -203,7 +203,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
         self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
         if self.split_backward:
-            refuse_for_split_backward(model, schedule, recompute=recompute)
+            refuse_for_split_backward(model, schedule)
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerPieces | None = None
@@ -680,7 +680,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             return self.named.run(inputs, None if self.mesh.is_first else x)
         args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
         if tape is not None:  # layer by layer, for a backward split into B and W
-            return tape.run(chunk.module, args, kwargs)
+            return tape.run(chunk.module, args, kwargs, recompute=recompute)
         if recompute:
             return checkpoint(chunk.module, *args, use_reentrant=False, **kwargs)
         return chunk.module(*args, **kwargs)

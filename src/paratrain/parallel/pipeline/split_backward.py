@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.layers import is_layer_list
 from paratrain.parallel.pipeline.structure import flatten, floating, unflatten
@@ -47,6 +48,12 @@ def _cut(value: Any) -> tuple[Any, list[torch.Tensor]]:
     return unflatten(spec, cut), fresh
 
 
+def _call(layer: nn.Module, args: tuple, kwargs: dict, recompute: bool) -> Any:
+    if recompute:
+        return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    return layer(*args, **kwargs)
+
+
 @dataclass
 class _Layer:
     inputs: list[torch.Tensor]
@@ -65,17 +72,21 @@ class LayerTape:
     def __init__(self) -> None:
         self.layers: list[_Layer] = []
 
-    def run(self, layers: nn.Sequential, args: tuple, kwargs: dict) -> Any:
+    def run(
+        self, layers: nn.Sequential, args: tuple, kwargs: dict, *, recompute: bool = False
+    ) -> Any:
         """Call the layers as ``nn.Sequential`` would (the first on ``args``/``kwargs``,
-        each next on the previous one's output), cutting the graph between them."""
+        each next on the previous one's output), cutting the graph between them. With
+        ``recompute`` each layer keeps only its input and runs again in B and again in W
+        (torch's checkpoint restores the random state, so dropout draws alike)."""
         inputs = [leaf for value in (*args, *kwargs.values()) for leaf in _graph_leaves(value)]
         value = None
         for index, layer in enumerate(layers):
             if index:
                 value, inputs = _cut(value)
-                value = layer(value)
+                value = _call(layer, (value,), {}, recompute)
             else:
-                value = layer(*args, **kwargs)
+                value = _call(layer, args, kwargs, recompute)
             params = [p for p in layer.parameters() if p.requires_grad]
             self.layers.append(_Layer(inputs, _graph_leaves(value), params))
         return value
@@ -129,20 +140,17 @@ class LayerTape:
         self.layers = []
 
 
-def refuse_for_split_backward(model: nn.Module, schedule: str, *, recompute: bool) -> None:
+def refuse_for_split_backward(model: nn.Module, schedule: str) -> None:
     """Refuse, in one sentence, what a backward split into B and W does not compose with.
 
     Split layers (``tensor``) compose: a tensor group's collectives sit inside autograd
     functions (``tensor/mappings``), so B runs the input side's all-reduces and W, where a
     weight lies below one (a layer norm before a colwise layer), runs that all-reduce again
-    on the same values; every member runs the same B and W in the same order."""
+    on the same values; every member runs the same B and W in the same order. So does
+    recompute, per layer (``LayerTape.run``): the forward runs three times instead of two,
+    for each layer's input held from F to W instead of its saved tensors."""
     if not is_layer_list(model):
         raise ValueError(
             f"schedule={schedule!r} splits the backward layer by layer, so it needs a layer "
             "list; use schedule='1f1b' for a model cut at named split points."
-        )
-    if recompute:
-        raise ValueError(
-            f"schedule={schedule!r} keeps each layer's graph from B until W, which recompute "
-            "would rebuild twice; use recompute=False or schedule='1f1b'."
         )
