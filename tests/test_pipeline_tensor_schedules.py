@@ -1,6 +1,7 @@
 """Every pipeline schedule with split layers: 2 stages x tensor 2 on gpt (4 workers), each
 equal to one device. ZB-H1 and ZB-H2 split the backward into B and W under a tensor
-group's collectives; interleaved 1F1B splits each chunk's planned layers.
+group's collectives (and, under recompute, re-run each layer's forward all-reduces in B
+and in W); interleaved 1F1B splits each chunk's planned layers.
 
 Tolerance: ``TOLERANCE`` (1e-5 relative after 10 steps), the fp32 parity bar derived in
 tests/test_parity_dp.py; ``test_tensor_compose`` explains why a tensor group's partial sums
@@ -23,6 +24,7 @@ CASES = [
     ("gpt", "adam", 1, {**LAYOUT, "schedule": "1f1b", "virtual_stages": 2, "micro_batches": 4}),
     ("gpt", "sgd", 1, {**LAYOUT, "schedule": "zb-h1", "micro_batches": 4}),
     ("gpt", "adam", 1, {**LAYOUT, "schedule": "zb-h2", "micro_batches": 4}),
+    ("gpt", "sgd", 1, {**LAYOUT, "schedule": "zb-h2", "micro_batches": 4, "recompute": True}),
 ]
 
 

@@ -68,7 +68,9 @@ def test_a_flag_given_at_its_default_for_another_strategy_is_refused(tmp_path):
 
 
 def test_option_values_are_checked_as_declared():
-    with pytest.raises(ConfigError, match="schedule must be one of gpipe, 1f1b, zb-h1, not 'zig"):
+    with pytest.raises(
+        ConfigError, match="schedule must be one of gpipe, 1f1b, zb-h1, zb-h2, not 'zig"
+    ):
         TrainConfig(strategy="pipeline", schedule="zigzag")
     with pytest.raises(ConfigError, match="balance_by must be one of params, time, memory"):
         TrainConfig(strategy="pipeline", balance_by="flops")
