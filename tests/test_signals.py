@@ -12,12 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from paratrain.checkpoints.format import Checkpoint
+from paratrain.runtime.signals import TerminationNotice
 from tests.processes import process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +132,81 @@ def _command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
     except OSError:
         return ""
+
+
+def test_a_worker_told_to_stop_ignores_every_later_sigterm():
+    """The launcher's forwarded copy of a preemption's SIGTERM may land after the worker's
+    loop, while it checkpoints: from the first SIGTERM on, the signal is ignored, closed
+    or not (it once got its default back on close, and the copy killed the worker)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        notice = TerminationNotice()
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before the next line
+        assert notice.received
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        notice.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_worker_never_told_to_stop_gets_sigterm_back_on_close():
+    def handler(signum, frame) -> None: ...
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        notice = TerminationNotice()
+        assert signal.getsignal(signal.SIGTERM) is not handler
+        notice.close()
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _workers(launcher: int) -> list[int]:
+    """The launcher's worker processes (not multiprocessing's resource tracker)."""
+    return [pid for pid in _children(launcher) if "spawn_main" in _command(pid)]
+
+
+def _keep_signalling(pids: list[int], stop: threading.Event, every_s: float = 0.02) -> None:
+    """SIGTERM each of ``pids`` every ``every_s`` until ``stop`` is set or they are gone."""
+    while not stop.wait(every_s):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+
+
+@pytest.mark.slow
+def test_no_ps_worker_dies_of_the_launchers_late_copy_of_the_sigterm(tmp_path):
+    """A preemption signals every process of the job, and the launcher forwards its own
+    SIGTERM to the workers as well; under load that copy lands late, once the workers
+    are writing the checkpoint or their report. Both ps workers once died of it there,
+    1 run in 10, and the run ended "before the workers could write a checkpoint". Here
+    the copy is played as late as can be, again every 20 ms until the job ends: every
+    worker must still save and report (on the old code worker 0, which waits seconds for
+    its servers to exit, died of it every time)."""
+    run = tmp_path / "run"
+    process = _start(["--strategy", "ps", "--steps", "100000", "--run-dir", str(run)])
+    _wait_for_training(run / "metrics.jsonl", process)
+    workers = _workers(process.pid)
+    assert len(workers) == 2, [_command(pid) for pid in _children(process.pid)]
+    os.killpg(process.pid, signal.SIGTERM)
+    stop = threading.Event()
+    copies = threading.Thread(target=_keep_signalling, args=(workers, stop), daemon=True)
+    copies.start()
+    try:
+        out, err = process.communicate(timeout=120)
+    finally:
+        stop.set()
+        copies.join()
+    assert process.returncode == 143, err[-3000:]
+    assert "killed by signal" not in err and "goes on without it" not in err, err[-3000:]
+    line = next((ln for ln in err.splitlines() if "stopped by SIGTERM after step " in ln), None)
+    assert line is not None, err[-3000:]
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert Checkpoint(run / "checkpoints" / f"step-{step:08d}").step == step
 
 
 @pytest.mark.slow

@@ -97,7 +97,9 @@ def train_worker(
 ) -> dict[str, Any]:
     """The loop every worker runs; rank 0 also writes metrics; all write checkpoints."""
     run = setup(config, run_dir, resume_from, attempt)
-    notice = TerminationNotice()  # SIGTERM: finish this step, checkpoint, return
+    # SIGTERM: finish this step, checkpoint, return. Open until the report is made: the
+    # launcher's forwarded copy of the signal may land while the checkpoint is written.
+    notice = TerminationNotice()
     preempted_at = None
     remaining = run.length.steps - run.first + 1
     for step, (inputs, targets) in enumerate(batches(run.train_loader, remaining), run.first):
@@ -110,8 +112,10 @@ def train_worker(
         if stop:
             preempted_at = step
             break
-    notice.close()
-    return finish(run, preempted_at, restarts=attempt)
+    try:
+        return finish(run, preempted_at, restarts=attempt)
+    finally:
+        notice.close()
 
 
 def _step(run: WorkerRun, step: int, inputs: Any, targets: Any, notice: Any) -> bool:

@@ -16,6 +16,16 @@ wait on each other (``Engine.independent_workers``, the parameter server) each s
 their own notice instead. A scheduler's SIGTERM often reaches every process of the job;
 ps's servers ignore it (their life is bounded by the workers'), so that they are still
 there to write the checkpoint the workers ask for.
+
+Such a job's workers get SIGTERM twice: the scheduler's own, and the copy the launcher
+forwards (ours, or torchrun's agent). The copy may land at any moment after the first,
+under load long after the worker ended its loop, while it writes its share of the
+checkpoint or sends its report: a worker that died of it there lost the checkpoint (in ps,
+where each worker stops on its own notice, both workers died so, 1 run in 10 under load,
+and the run ended "before the workers could write a checkpoint"). So a worker's first
+SIGTERM is its only one: from then on the signal is ignored for the rest of the process's
+life, which is short (it checkpoints, reports and exits; the launcher SIGKILLs a worker
+that outstays its grace, and the kernel one whose launcher died).
 """
 
 from __future__ import annotations
@@ -63,7 +73,9 @@ def forwarding_termination(processes: list) -> Iterator[list[bool]]:
 
 
 class TerminationNotice:
-    """In a worker's training loop: remember a SIGTERM instead of dying of it."""
+    """In a worker, from its first step until its report is made: remember a SIGTERM
+    instead of dying of it; after the first, ignore the signal (see the module docstring).
+    """
 
     def __init__(self) -> None:
         self.received = False
@@ -73,6 +85,9 @@ class TerminationNotice:
 
     def _note(self, signum, frame) -> None:
         self.received = True
+        # Ignored by the kernel from now on, not merely noted again: a repeat then cannot
+        # even interrupt a system call of the checkpoint being written.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def agreed(self, *, independent: bool, device: torch.device) -> bool:
         """Whether to stop after this step: any worker's notice, or this worker's own
@@ -84,7 +99,8 @@ class TerminationNotice:
         return bool(flag.item())
 
     def close(self) -> None:
-        """Give SIGTERM its previous meaning back (a worker that returns may be stopped)."""
-        if self._previous is not None:
+        """Give SIGTERM its previous meaning back where none arrived (a worker that returns
+        may be stopped); a worker told to stop stays told, and ignores it."""
+        if self._previous is not None and not self.received:
             signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        self._previous = None
