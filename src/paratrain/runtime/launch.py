@@ -308,6 +308,10 @@ def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) 
             timeout=timeout,
         )
         value = fn(*args, **kwargs)
+        # The work is done and its report must reach the launcher: a scheduler's SIGTERM
+        # (or the launcher's forwarded copy) landing now would lose a run that finished
+        # (see signals.py); the launcher still SIGKILLs a worker that outstays its grace.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results_queue.put(("ok", rank, buffer.getvalue()))
