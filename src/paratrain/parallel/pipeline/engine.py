@@ -439,7 +439,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.module.eval()
         if self.buffer_sync is not None:
             self.buffer_sync.before_forward(training=False)
+        items = self._num_items(inputs, micro * replicas)
         share_in = split_micro(take_share(inputs, self.mesh.replica, replicas), micro)
+        share_in = [part_inputs(one, items, micro * replicas, as_tensor=False) for one in share_in]
         share_tgt = split_micro(take_share(targets, self.mesh.replica, replicas), micro)
         for chunk in self.chunks:
             chunk.link.begin_round(micro, expect_loss=chunk.link is self.link)
