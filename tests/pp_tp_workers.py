@@ -100,3 +100,11 @@ def parity_worker(runs: list[tuple], own_loss: list[tuple], directory: str) -> t
     own = [("pipeline", kind, pipeline_options(kind, o)) for kind, o in own_loss]
     owned = hf_workers.train_own_loss(own)
     return (results, resumed, owned) if comm.rank() == 0 else None
+
+
+def replicas_worker(runs: list[tuple]) -> list | None:
+    """Each (kind, optimizer) at 2 replicas x 2 stages x tensor 2 (8 workers)."""
+    from paratrain.runtime import comm
+
+    results = [train("pipeline", kind, opt, **pipeline_options(kind, {})) for kind, opt in runs]
+    return results if comm.rank() == 0 else None

@@ -97,6 +97,24 @@ def test_stages_by_tensor_train_hugging_face_and_nanogpt_as_one_process(tmp_path
         assert losses == pytest.approx(expected_losses, rel=TOLERANCE), kind
 
 
+@pytest.mark.slow
+def test_replicas_by_stages_by_tensor_train_as_one_process():
+    """8 workers: 2 replicas x 2 stages x tensor 2, Llama with SGD-momentum and GPT-2 (its
+    head tied across the stages) with AdamW; one process accumulating the same 4 parts
+    (2 replicas x 2 micro-batches of 2 samples)."""
+    runs = [("llama", "sgd"), ("gpt2", "adam")]
+    results = paratrain.launch(pp_tp_workers.replicas_worker, devices=8, args=(runs,))[0]
+    for (kind, opt), (state, losses) in zip(runs, results, strict=True):
+        expected, expected_losses = pp_tp_workers.train(
+            "single", kind, opt, gradient_accumulation=4
+        )
+        if opt == "adam":
+            state = tp_model_workers.without_key_bias(state)
+            expected = tp_model_workers.without_key_bias(expected)
+        assert relative_error(state, expected) <= TOLERANCE, kind
+        assert losses == pytest.approx(expected_losses, rel=TOLERANCE), kind
+
+
 class Straddling(nn.Module):
     """An MLP whose blocks are its own layers, so that a split point falls inside it."""
 

@@ -259,7 +259,13 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             refuse_batchnorm(layer_list(model)[0])
         return balance
 
-    def _cut_named(self, model: nn.Module, stages: int, split_points: list[str] | None, tp_plan):
+    def _cut_named(
+        self,
+        model: nn.Module,
+        stages: int,
+        split_points: list[str] | None,
+        tp_plan: dict[str, str] | str | None,
+    ) -> None:
         """A model that is no layer list: this stage runs the model's own forward with the
         other stages' modules on meta (``stage_run``), its planned layers split first."""
         plan = plan_stages(model, stages, split_points)
@@ -271,7 +277,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.named = NamedStage(model, plan, self.mesh.stage, self._device)
         self.module = model  # the whole model; other stages' modules are on meta
 
-    def _split_named(self, model: nn.Module, plan: StagePlan, tp_plan) -> None:
+    def _split_named(
+        self, model: nn.Module, plan: StagePlan, tp_plan: dict[str, str] | str | None
+    ) -> None:
         """Split the planned layers inside the modules this stage alone holds over its
         tensor group, from its first member's values (a split keeps every state name, so
         ``plan.owner`` still names them). Between stages a block's arguments travel, which

@@ -10,6 +10,10 @@ pipeline checkpoint loads into the original class. Registration order stands in 
 order here; ``stage_run`` refuses, with a sentence, a model whose forward calls them in
 another order.
 
+Under a tensor degree each stage's tensor group splits the planned layers of the modules
+that stage alone holds (``StagePlan.modules_of``); a colwise/rowwise pair whose parent a
+split point cuts is refused (``refuse_splits_across_stages``).
+
 Without split points the blocks are found (the container with the most parameters among
 those with at least ``stages`` children) and cut where the exact balancer puts the
 boundaries by parameter count, the embeddings counted with the first block and the head
