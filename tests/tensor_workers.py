@@ -122,7 +122,6 @@ def refusals_worker() -> list[str]:
     attempts = [
         ("zero3", {"tensor": 2}),
         ("dp", {"tensor": 2, "group": dist.group.WORLD}),
-        ("pipeline", {"tensor": 2, "stages": 1, "tp_plan": tp_workers.UPDOWN_PLAN}),
     ]
     out = []
     for strategy, options in attempts:

@@ -20,6 +20,7 @@ token means 88 % off on one bias)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import paratrain
 from paratrain.losses import causal_lm_cross_entropy
@@ -181,6 +182,37 @@ def test_the_models_own_loss_is_the_global_token_mean_under_dp_zero2_and_the_pip
     runs += [("single", "llama", {})]
     references = {kind: plain_loop(kind, "sgd") for kind in ("llama", "gpt2")}
     assert_each_run_matches(runs, results, references)
+
+
+@pytest.mark.slow
+def test_the_models_own_loss_is_the_global_token_mean_under_ps_and_in_evaluation():
+    """num_items_in_batch under the synchronous ps (its workers' shares averaged by the
+    servers; Llama, and GPT-2 with 2 accumulated micro-batches) against the plain loop, and
+    ``eval_step``'s model's own loss (dp, zero3, the pipeline at a named split point, ps)
+    against Hugging Face's whole-batch loss on the same model (``hf_workers.sharpened``).
+    The shares' token counts differ (uneven padding), so each share's mean averaged is
+    off (before: ps 1.8e-2 after 4 steps; evaluation 2e-3 to 4e-3 on a batch); with the
+    count, only the sums' order differs (the suite's TOLERANCE)."""
+    train_runs = [
+        ("ps", "llama", {"staleness": 0}),
+        ("ps", "gpt2", {"staleness": 0, "gradient_accumulation": 2}),
+    ]
+    eval_runs = [
+        ("dp", "llama", {}),
+        ("zero3", "gpt2", {}),
+        ("pipeline", "llama", _stages("model.layers.1", micro_batches=2)),
+        ("ps", "gpt2", {"staleness": 0}),
+    ]
+    trained, evaluated = paratrain.launch(
+        hf_workers.own_loss_train_and_eval, devices=2, args=(train_runs, eval_runs)
+    )[0]
+    references = {kind: plain_loop(kind, "sgd") for kind in ("llama", "gpt2")}
+    assert_each_run_matches(train_runs, trained, references)
+    for run, losses in zip(eval_runs, evaluated, strict=True):
+        model = hf_workers.sharpened(run[1]).eval()
+        with torch.no_grad():
+            whole = [float(model(**x, labels=y).loss) for x, y in hf_workers.batches()]
+        assert losses == pytest.approx(whole, rel=TOLERANCE), run
 
 
 def _stages(split_point: str, **options) -> dict:

@@ -162,9 +162,6 @@ def test_what_cannot_split_is_refused_in_the_workers():
         "or zero3 without it.",
         "group and tensor cannot be combined: the tensor degree lays out the replicas' "
         "groups itself; leave group out.",
-        "tensor > 1 under the pipeline needs the model as a layer list, and UpDownNet is cut "
-        "at named blocks; give the pipeline an nn.Sequential of its blocks, or split its "
-        "layers with strategy 'tp' without stages.",
     ]
 
 

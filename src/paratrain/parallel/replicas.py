@@ -30,6 +30,7 @@ from paratrain.parallel.data_parallel_step import DataParallelStep, GradientRedu
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.replica_builder import Replica, build_replica, place_replicas
 from paratrain.parallel.strategy import StepStats
 from paratrain.parallel.tensor.compose import SplitsLayers
@@ -142,13 +143,17 @@ class ReplicaShare(SplitsLayers):
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> float:
-        """Mean loss over the global batch: each replica's share, averaged over replicas."""
+        """Mean loss over the global batch: each replica's share, averaged over replicas
+        (a model's own loss given ``num_items_in_batch``, as in training, so that shares
+        unevenly padded average to the global token mean)."""
         replicas = self._replicas
         check_divisible(batch_size(inputs), replicas=replicas, micro_batches=1)
         was_training = self.model.training
         self.model.eval()
         self._sync_buffers(training=False)
-        share_in, share_tgt = self._share(inputs), self._share(targets)
+        items = with_num_items(self.model, inputs, replicas, self.loss_fn)
+        share_in = part_inputs(self._share(inputs), items, replicas)
+        share_tgt = self._share(targets)
         totals = LossTotals(self.loss_fn, targets, share_tgt, parts=replicas, device=self._device)
         with self.precision.autocast(self._device):
             totals.add(self.loss_fn(call_model(self.model, share_in), share_tgt))

@@ -39,11 +39,13 @@ from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
     refuse_for_split_points,
-    refuse_tensor_for_split_points,
+    refuse_splits_across_stages,
 )
 from paratrain.parallel.recompute import RECOMPUTE, refuse_batchnorm
 from paratrain.parallel.registry import register
 from paratrain.parallel.tensor.compose import SplitsLayersStrategy
+from paratrain.parallel.tensor.options import PLAN_KEYWORD
+from paratrain.parallel.tensor.plan import resolve_plan
 
 PROPOSED_SCHEDULES = (("1f1b", 1), ("gpipe", 1))
 """(schedule, chunks per stage) the planner considers; see ``plan_layouts``."""
@@ -85,7 +87,6 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         if schedule in SPLIT_SCHEDULES:
             refuse_for_split_backward(model, schedule)
         if layout.tp_enabled:
-            refuse_tensor_for_split_points(model)
             cls.check_tensor_plan(run, layout.tensor)
         if split_points is not None and is_layer_list(model):
             balance = layer_list_balance(model, split_points, stages)
@@ -95,7 +96,10 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
                 balance_by=given(run.options, BALANCE_BY),
                 recompute=given(run.options, RECOMPUTE),
             )
-            plan_stages(model, stages, split_points)
+            stage_plan = plan_stages(model, stages, split_points)
+            if layout.tp_enabled:
+                tensor_plan = resolve_plan(model, layout.tensor, run.options.get(PLAN_KEYWORD))
+                refuse_splits_across_stages(stage_plan, tensor_plan)
             return
         model_layers = layer_list(model)[0]
         if given(run.options, RECOMPUTE):

@@ -39,7 +39,9 @@ that stage (``parallel/tensor``; the plan is checked on the whole model so that 
 agree) and draws one random stream. Each member exchanges its activations and their
 gradients with the member of the same tensor rank in the neighbouring stages: replicated
 values arrive whole, and a colwise layer's slice at the end of a stage reaches the
-rowwise layer that takes it. A model cut at named split points does not split its layers.
+rowwise layer that takes it. A model cut at named split points splits the planned layers
+of the modules each stage alone holds; what crosses a split point (a block's arguments)
+is whole on every member.
 """
 
 from __future__ import annotations
@@ -87,10 +89,11 @@ from paratrain.parallel.pipeline.runner import ScheduleRunner
 from paratrain.parallel.pipeline.schedules import build_schedule, splits_backward
 from paratrain.parallel.pipeline.split_backward import LayerTape, refuse_for_split_backward
 from paratrain.parallel.pipeline.split_points import (
+    StagePlan,
     layer_list_balance,
     plan_stages,
     refuse_for_split_points,
-    refuse_tensor_for_split_points,
+    refuse_splits_across_stages,
 )
 from paratrain.parallel.pipeline.stage_run import NamedStage
 from paratrain.parallel.pipeline.structure import flatten, floating
@@ -189,9 +192,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         schedule, the mesh, this stage's cut, its replicas, its optimizer, its link."""
         super().__init__(model, layout=layout, **shared)
         require_process_group(self.name)
-        stages, tensor, chunks = layout.stages, layout.tensor, layout.virtual_stages
-        if tensor > 1:
-            refuse_tensor_for_split_points(model)
+        stages, chunks = layout.stages, layout.virtual_stages
         refuse_for_virtual_stages(model, chunks)
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         pieces = stages * chunks
@@ -212,7 +213,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         if is_layer_list(model):
             self._cut_layer_list(model, balance, balance_by, sample_input, tp_plan)
         else:
-            self._cut_named(model, stages, split_points)
+            self._cut_named(model, stages, split_points, tp_plan)
         self._params = [p for _, p in self.named_local_parameters()]
         self.ties.attach(dict(self._full_named_parameters()))
         self.recompute = recompute
@@ -258,15 +259,40 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             refuse_batchnorm(layer_list(model)[0])
         return balance
 
-    def _cut_named(self, model: nn.Module, stages: int, split_points: list[str] | None) -> None:
+    def _cut_named(
+        self,
+        model: nn.Module,
+        stages: int,
+        split_points: list[str] | None,
+        tp_plan: dict[str, str] | str | None,
+    ) -> None:
         """A model that is no layer list: this stage runs the model's own forward with the
-        other stages' modules on meta (``stage_run``)."""
+        other stages' modules on meta (``stage_run``), its planned layers split first."""
         plan = plan_stages(model, stages, split_points)
         self.balance, self.split_points = plan.balance, plan.split_points
+        if self.mesh.tensor > 1:
+            self._split_named(model, plan, tp_plan)
         named = [(n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)]
         self.ties = CrossStageTies(named, self.mesh)
         self.named = NamedStage(model, plan, self.mesh.stage, self._device)
         self.module = model  # the whole model; other stages' modules are on meta
+
+    def _split_named(
+        self, model: nn.Module, plan: StagePlan, tp_plan: dict[str, str] | str | None
+    ) -> None:
+        """Split the planned layers inside the modules this stage alone holds over its
+        tensor group, from its first member's values (a split keeps every state name, so
+        ``plan.owner`` still names them). Between stages a block's arguments travel, which
+        are whole on every member (a rowwise layer's output is summed), so each member
+        exchanges them with the same tensor rank of the neighbouring stages unchanged."""
+        stage = self.mesh.stage
+        owned = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        state = {id(t): t for n, t in owned if plan.owner.get(n) == stage}
+        comm.broadcast_tensors(list(state.values()), src=0, group=self.mesh.tensor_group)
+        self.tensor_split = split_model(
+            model, self.mesh, tp_plan=tp_plan, only=plan.modules_of(stage)
+        )
+        refuse_splits_across_stages(plan, self.tensor_split.whole_plan)  # alike on every rank
 
     def _start_replicas(self, bucket_mb: float) -> None:
         """The stage made equal over its replicas (``replica_builder.replicate_stage``),
@@ -438,7 +464,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.module.eval()
         if self.buffer_sync is not None:
             self.buffer_sync.before_forward(training=False)
+        items = self._num_items(inputs, micro * replicas)
         share_in = split_micro(take_share(inputs, self.mesh.replica, replicas), micro)
+        share_in = [part_inputs(one, items, micro * replicas, as_tensor=False) for one in share_in]
         share_tgt = split_micro(take_share(targets, self.mesh.replica, replicas), micro)
         for chunk in self.chunks:
             chunk.link.begin_round(micro, expect_loss=chunk.link is self.link)

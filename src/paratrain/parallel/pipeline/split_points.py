@@ -10,6 +10,10 @@ pipeline checkpoint loads into the original class. Registration order stands in 
 order here; ``stage_run`` refuses, with a sentence, a model whose forward calls them in
 another order.
 
+Under a tensor degree each stage's tensor group splits the planned layers of the modules
+that stage alone holds (``StagePlan.modules_of``); a colwise/rowwise pair whose parent a
+split point cuts is refused (``refuse_splits_across_stages``).
+
 Without split points the blocks are found (the container with the most parameters among
 those with at least ``stages`` children) and cut where the exact balancer puts the
 boundaries by parameter count, the embeddings counted with the first block and the head
@@ -23,8 +27,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from paratrain.parallel.layer_profile import LayerProfile
-from paratrain.parallel.layers import is_layer_list, layer_list
+from paratrain.parallel.layers import layer_list
 from paratrain.parallel.pipeline.partition import PartitionError, partition, stage_bounds
+from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, TensorPlan
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,16 @@ class StagePlan:
     @property
     def split_points(self) -> list[str]:
         return [f"{self.container}.{index}" for index in self.starts[1:]]
+
+    def modules_of(self, stage: int) -> set[str]:
+        """Names of the modules whose state ``stage`` alone holds: what its tensor group
+        may split (a module with state on two stages is split on neither)."""
+        held: dict[str, set[int]] = {}
+        for name, owner in self.owner.items():
+            parts = name.split(".")[:-1]
+            for depth in range(1, len(parts) + 1):
+                held.setdefault(".".join(parts[:depth]), set()).add(owner)
+        return {name for name, stages in held.items() if stages == {stage}}
 
     @property
     def balance(self) -> list[int]:
@@ -210,15 +225,22 @@ def refuse_for_split_points(*, balance: object, balance_by: str, recompute: bool
         )
 
 
-def refuse_tensor_for_split_points(model: nn.Module) -> None:
-    """Split layers need the stage's modules as the plan sees them, which a model cut at
-    named blocks (run through its own forward, other stages on meta) does not keep."""
-    if not is_layer_list(model):
-        raise PartitionError(
-            f"tensor > 1 under the pipeline needs the model as a layer list, and "
-            f"{type(model).__name__} is cut at named blocks; give the pipeline an "
-            "nn.Sequential of its blocks, or split its layers with strategy 'tp' without stages."
-        )
+def refuse_splits_across_stages(stages: StagePlan, plan: TensorPlan) -> None:
+    """A colwise layer's slice must reach its rowwise partner on the same stage (what
+    crosses a split point is taken as whole), so each pair's parent module, and each
+    attention or vocab embedding split whole, must be one stage's alone."""
+    if stages.stages == 1:
+        return
+    held = set().union(*(stages.modules_of(stage) for stage in range(stages.stages)))
+    for name, kind in [*plan.splits.items(), *((a, "attention") for a in plan.attention)]:
+        unit = name.rpartition(".")[0] if kind in (COLWISE, ROWWISE) else name
+        if unit not in held:
+            raise PartitionError(
+                f"the tensor plan splits {name!r} ({kind}), but "
+                f"{unit or 'the model'!r} holds state on more than one stage, so its slices "
+                f"would cross split point(s) {stages.split_points}; choose split points "
+                "between the blocks that hold the split layers, or replicate it in tp_plan."
+            )
 
 
 def layer_list_balance(model: nn.Module, split_points: list[str], stages: int) -> list[int]:

@@ -69,6 +69,7 @@ from paratrain.parallel.clipping import clip_local
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals, loss_value
+from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.ps import jobkeys, spawn
 from paratrain.parallel.ps.backup import check_backup_workers
 from paratrain.parallel.ps.batchnorm import check_batchnorm
@@ -285,8 +286,12 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
             self.loss_fn, targets, share_tgt, parts=k, averaged_by=workers, device=self._device
         )
         loss_scale = self.precision.loss_factor()  # 1 but under fp16; servers average workers
+        # a model's own loss: each part's sum over the global count, times the parts the
+        # servers and this worker average (``model_loss_items``), as a summed loss is
+        items = with_num_items(self.model, inputs, k * workers, self.loss_fn)
         micro = zip(split_micro(share_in, k), split_micro(share_tgt, k), strict=True)
         for index, (micro_in, micro_tgt) in enumerate(micro):
+            micro_in = part_inputs(micro_in, items, k * workers)
             with self.memory.forward(index), self.precision.autocast(self._device):
                 loss = totals.add(self.loss_fn(call_model(self.model, micro_in), micro_tgt))
             if totals.summed:

@@ -4,9 +4,11 @@ An attention we recognise by its shape (``heads``) keeps its own forward, which 
 not write and could not trace: that it computes on a slice what it computes whole is
 checked, not assumed. Before the split, each such module is copied whole; at its first
 call (the first batch, on every rank, the same call on each member of the tensor group)
-the split module and the copy run on the same arguments, both in eval mode (no dropout
-drawn, so the random streams are untouched) and without a key-value cache, and a
-difference beyond the fp32 bound refuses the run. The copy is then dropped.
+the copy takes the split module's current weights, joined from the slices (a checkpoint
+may have been loaded since the split), and the split module and the copy run on the same
+arguments, both in eval mode (no dropout drawn, so the random streams are untouched) and
+without a key-value cache, and a difference beyond the fp32 bound refuses the run. The
+copy is then dropped.
 
 The bound: both run the same fp32 operations per head except the output projection's
 sum over its ``n`` input features, which the split adds as ``tensor`` partial sums. A
@@ -22,6 +24,7 @@ by the size of the output itself.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,6 +34,8 @@ from paratrain.parallel.tensor.detect import is_conv1d
 from paratrain.parallel.tensor.heads import attention_shape
 
 UNIT = 2.0**-24
+Join = Callable[[str, torch.Tensor], torch.Tensor]
+"""A canonical state name and this worker's value -> the whole tensor (``TensorSplit``)."""
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past", "use_cache")
 """Keywords that would let a second call see the first one's keys: passed as None."""
 
@@ -48,15 +53,25 @@ def _scale(projection: nn.Module, inputs: torch.Tensor) -> float:
 
 
 class FirstForwardCheck:
-    """The forward hook that compares a split attention with its whole copy once."""
+    """The forward hook that compares a split attention with its whole copy once.
 
-    def __init__(self, name: str, whole: nn.Module) -> None:
-        self.name, self.whole = name, whole
+    The copy first takes the split module's weights as they are at that call, joined
+    from every member's slices (``join``: a canonical name and this worker's slice -> the
+    whole tensor; collective over the tensor group, whose members all reach this call):
+    a checkpoint loaded between the split and the first batch (a resume) changed them."""
+
+    def __init__(self, name: str, whole: nn.Module, join: Join) -> None:
+        self.name, self.whole, self.join = name, whole, join
         self.handle = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self.handle.remove()
         whole, self.whole = self.whole, None
+        with torch.no_grad():
+            state = module.state_dict()
+            whole.load_state_dict(
+                {k: self.join(f"{self.name}.{k}", v).to(v.device) for k, v in state.items()}
+            )
         kwargs = {k: (None if k in CACHE_KEYWORDS else v) for k, v in kwargs.items()}
         shape = attention_shape(whole)
         projection = getattr(whole, shape.output)
@@ -97,9 +112,9 @@ def keep_wholes(model: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Module
     return wholes
 
 
-def arm(model: nn.Module, wholes: dict[str, nn.Module]) -> None:
+def arm(model: nn.Module, wholes: dict[str, nn.Module], join: Join) -> None:
     """Check each split attention against its whole copy at its first forward."""
     for name, whole in wholes.items():
-        check = FirstForwardCheck(name, whole)
+        check = FirstForwardCheck(name, whole, join)
         module = model.get_submodule(name)
         check.handle = module.register_forward_hook(check, with_kwargs=True)

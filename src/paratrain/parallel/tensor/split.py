@@ -65,6 +65,11 @@ class TensorSplit:
         comm.all_gather_flat(out, flat, group=self.group)
         return spec.join([piece.view_as(local) for piece in out.chunk(spec.parts)]).cpu()
 
+    def joined(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` made whole where ``name`` is split (collective, as ``whole``); else
+        ``local`` itself."""
+        return self.whole(name, local) if name in self.specs else local
+
     def whole_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` (canonical names, this worker's slices) with every split tensor whole;
         the others are copied to the CPU as they are."""
@@ -184,7 +189,8 @@ def split_model(
     plan = whole_plan if only is None else whole_plan.restricted_to(only)
     wholes = setup_check.keep_wholes(model, plan.attention)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)
-    setup_check.arm(model, wholes)
     params = dict(model.named_parameters())
     shapes = {name: params[name].shape for name in specs}
-    return TensorSplit(tensor, rank, group, plan, specs, shapes, whole_plan)
+    split = TensorSplit(tensor, rank, group, plan, specs, shapes, whole_plan)
+    setup_check.arm(model, wholes, split.joined)
+    return split
