@@ -185,6 +185,6 @@ def split_model(
     wholes = setup_check.keep_wholes(model, plan.attention)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)
     setup_check.arm(model, wholes)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head's name too
     shapes = {name: params[name].shape for name in specs}
     return TensorSplit(tensor, rank, group, plan, specs, shapes, whole_plan)
