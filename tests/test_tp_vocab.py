@@ -12,12 +12,13 @@ inherits it. The head's input gradient sums ``V`` products over ``t`` ranks: ano
 ``V u``. The blocks' split layers and the replicas' all-reduce add what
 tests/test_parity_dp.py bounds (``TOLERANCE``). An update at most the parameters' size
 carries each step's relative change into them: ``STEPS (3 V u) + TOLERANCE`` = 5.6e-5
-for V = 64, 4 steps. Measured: 5e-7 (SGD), up to 8e-6 (Adam, which divides the rarely
-touched rows' tiny gradients by their own root). GPT-2's packed key bias is left out
-under Adam, as in tests/test_tp_models.py (its gradient is zero analytically, noise that
-Adam moves by lr). A wrong split (a rank's logits read as the whole vocabulary, a target
-credited twice) is off by ~1e-1; every state is also checked to be ~1e-3 or more from
-the untrained model, so a run that trained nothing cannot pass.
+for V = 64, 4 steps. Measured: 4.7e-7 and below (SGD), up to 7.6e-6 (Adam, on a
+LayerNorm bias: Adam's update does not shrink with a small gradient's rounding). GPT-2's
+packed key bias is left out under Adam, as in tests/test_tp_models.py (its gradient is
+zero analytically, noise that Adam moves by lr). A wrong loss is far off: without the
+all-reduce of the ``exp`` sums and target logits (each rank's softmax over its own range
+alone), gpt ends 2.4 and Llama 0.098 off; every state is also checked to be ~1e-3 or more
+from the untrained model, so a run that trained nothing cannot pass.
 """
 
 from __future__ import annotations
