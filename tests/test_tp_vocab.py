@@ -134,7 +134,7 @@ def test_vocab_cross_entropy_on_one_shard_equals_torch_forward_and_backward():
     (theirs * torch.arange(1.0, 8.0)).sum().backward()
     assert torch.allclose(ours, theirs, rtol=0, atol=64 * UNIT * float(theirs.detach().abs().max()))
     assert torch.allclose(grad, logits.grad, rtol=0, atol=64 * UNIT)
-    assert float(ours[1]) == 0.0 and float(grad[1].abs().sum()) == 0.0
+    assert float(ours[1].detach()) == 0.0 and float(grad[1].abs().sum()) == 0.0
 
 
 def test_a_target_outside_the_vocabulary_is_refused():
@@ -160,7 +160,9 @@ def test_only_paratrains_token_losses_keep_the_logits_split(capsys):
     assert type(vocab_loss.sharded_loss(sequence_cross_entropy, model)).__name__ == (
         "MeanVocabLoss"
     )
-    model[1].gather = True
+    sharded = vocab_loss.sharded_loss(sequence_cross_entropy, model)
+    assert vocab_loss.gathered(sharded) is sequence_cross_entropy  # a tally opened
+    assert model[1].gather is True
     assert vocab_loss.sharded_loss(ObservedLoss(sequence_cross_entropy), model) is None
     assert vocab_loss.sharded_loss(lambda out, y: out.sum(), model) is None
     assert model[1].gather is True

@@ -1,7 +1,8 @@
 """The tensor-parallel plan: which modules split how, found or given, checked before use.
 
 ``tp_plan`` maps ``fnmatch`` patterns over module names (``model.named_modules()``) to
-``"colwise"``, ``"rowwise"``, ``"vocab"`` or ``"replicate"``; a module takes the first
+``"colwise"``, ``"rowwise"``, ``"vocab"`` (an embedding or an lm head, split by token id)
+or ``"replicate"``; a module takes the first
 pattern that matches it (``"auto"``, or Hugging Face's kinds: see ``hf_plan``). Without
 one, the plan is found where it is unambiguous: the ``nn.Linear`` (or ``Conv1D``)
 children of one module, one or two feeding another through elementwise ops only
@@ -14,7 +15,8 @@ one in the workers, and refused with one sentence naming the module: no split fo
 pattern naming no module, a module of the wrong type, a colwise layer without the rowwise
 layer that takes its slice (or joined to it by more than elementwise ops), a colwise
 layer in a module whose forward does not trace (nothing could check it), a width or head
-count that ``tensor`` does not divide, a tied parameter. Pairs live in one parent module:
+count that ``tensor`` does not divide, a tied parameter (but for one tied across "vocab"
+modules: an embedding and its head cut alike). Pairs live in one parent module:
 an ``up`` in one module and its ``down`` in another are not paired.
 """
 
