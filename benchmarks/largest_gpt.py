@@ -18,11 +18,14 @@ layout's answer is one ``n_embd``. Reported per layout: the largest width, its p
 count, the ratio to dp's, and the probe's per-worker peak ledger total. Layouts are
 strategies with their options: ``pipeline`` (one stage per worker), ``tp`` (every layer
 split over every worker), ``pipeline+tp`` (2 stages x workers/2 tensor) and ``zero2+tp``
-(2 tensor, the replicas sharding). Widths under a tensor degree t are multiples of 64 t, so
-that t divides the heads.
+(2 tensor, the replicas sharding); ``tp+vocab`` is tp with the token embedding and the
+head split by vocabulary too, the loss computed on the split logits (``--vocab-size``
+large, as GPT-2's 50304, shows what that adds). Widths under a tensor degree t are
+multiples of 64 t, so that t divides the heads.
 
     python benchmarks/largest_gpt.py                               # 4 workers, 1 GiB each
     python benchmarks/largest_gpt.py --memory-per-device 2GiB --json out.json
+    python benchmarks/largest_gpt.py --workers 2 --strategies tp,tp+vocab --vocab-size 50304
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 
 import paratrain
 from paratrain.models import build_model, loss_for
-from paratrain.models.gpt import gpt_parameter_count
+from paratrain.models.gpt import gpt_parameter_count, gpt_tp_plan
 from paratrain.parallel.fit_advice import model_state_per_worker
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.units import parse_size
@@ -52,6 +55,7 @@ LAYOUTS = {
     "tp": ("tp", lambda workers: {"tensor": workers}),
     "pipeline+tp": ("pipeline", lambda workers: {"stages": 2, "tensor": workers // 2}),
     "zero2+tp": ("zero2", lambda workers: {"tensor": 2}),
+    "tp+vocab": ("tp", lambda workers: {"tensor": workers, "vocab": True}),
 }
 """Name -> (strategy, its options for ``workers`` workers)."""
 WIDTH_STEP = 64
@@ -66,7 +70,7 @@ OUT_OF_MEMORY = "DeviceOutOfMemory"
 
 def model_config(width: int, args: argparse.Namespace) -> dict[str, int]:
     return {
-        "vocab_size": 65,
+        "vocab_size": args.vocab_size,
         "block_size": args.block_size,
         "n_layer": args.n_layer,
         "n_head": width // WIDTH_STEP,
@@ -77,6 +81,15 @@ def model_config(width: int, args: argparse.Namespace) -> dict[str, int]:
 def layout_of(name: str, workers: int) -> tuple[str, dict]:
     strategy, options = LAYOUTS[name]
     return strategy, options(workers)
+
+
+def engine_options(options: dict, config: dict) -> dict:
+    """The layout's options as ``setup`` takes them: ``vocab`` becomes gpt's plan with the
+    embedding and head split by vocabulary."""
+    options = dict(options)
+    if options.pop("vocab", False):
+        options["tp_plan"] = gpt_tp_plan(n_layer=config["n_layer"])
+    return options
 
 
 def width_step(name: str, workers: int) -> int:
@@ -93,7 +106,7 @@ def probe_worker(strategy: str, options: dict, config: dict, budget: str, steps:
         loss_fn=loss_for("gpt"),
         strategy=strategy,
         memory_per_device=budget,
-        **options,
+        **engine_options(options, config),
     )
     generator = torch.Generator().manual_seed(1)
     shape = (batch, config["block_size"])
@@ -116,6 +129,7 @@ def refuse_before_launch(name: str, config: dict, args: argparse.Namespace) -> s
     parameters = gpt_parameter_count(**config)
     budget = parse_size(args.memory_per_device)
     strategy, options = layout_of(name, args.workers)
+    options = {k: v for k, v in options.items() if k != "vocab"}
     least = model_state_per_worker(strategy, parameters, args.workers, **options)
     if least > budget:
         return f"its model state alone needs {least / 2**20:,.0f} MiB per worker"
@@ -203,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         "--strategies", default=",".join(LAYOUTS), help=f"layouts among {', '.join(LAYOUTS)}"
     )
     parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument(
+        "--vocab-size", type=int, default=65, help="tp+vocab needs one the workers divide"
+    )
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="global batch per step")
     parser.add_argument("--steps", type=int, default=2)
@@ -219,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 2: Adam allocates its state in the first step.")
     print(
         f"largest gpt with Adam: {args.workers} workers x {args.memory_per_device}, "
-        f"{args.n_layer} blocks, context {args.block_size}, global batch {args.batch}",
+        f"{args.n_layer} blocks, context {args.block_size}, global batch {args.batch}, "
+        f"vocabulary {args.vocab_size}",
         flush=True,
     )
     found: dict[str, dict | None] = {}

@@ -21,6 +21,14 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def token_mean(loss_fn):
+    """Mark ``loss_fn(logits, targets)`` as ``F.cross_entropy``'s mean over the tokens
+    whose target is not -100 (logits ``(..., vocab)``, targets ``(...)``): a tensor-split
+    lm head may then compute it on split logits (``parallel/tensor/vocab_loss.py``)."""
+    loss_fn.token_mean = True
+    return loss_fn
+
+
 def _logits(outputs: Any) -> torch.Tensor:
     """The logits of a model's outputs: a tensor, or a ``ModelOutput``/dict holding them."""
     if isinstance(outputs, torch.Tensor):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from paratrain.losses import token_mean
 from paratrain.models._checks import require_int
 
 INIT_STD = 0.02
@@ -187,6 +188,21 @@ def gpt(
     )
 
 
+def gpt_tp_plan(*, n_layer: int, vocab: bool = True) -> dict[str, str]:
+    """The tensor-parallel plan of ``gpt(n_layer=...)`` written out: attention by heads,
+    the MLP as a colwise/rowwise pair, and (``vocab``) the token embedding and the head
+    split by vocabulary, tied or not; without ``tp_plan`` the last two stay whole."""
+    plan = {
+        "*.qkv": "colwise",
+        "*.attn.proj": "rowwise",
+        "*.fc": "colwise",
+        "*.mlp.proj": "rowwise",
+    }
+    if vocab:
+        plan = {"0.token": "vocab", **plan, str(n_layer + 2): "vocab"}
+    return plan
+
+
 def gpt_parameter_count(
     *,
     vocab_size: int = 65,
@@ -215,6 +231,7 @@ def gpt_parameter_count(
     return embedding + n_layer * block + final_norm + head
 
 
+@token_mean
 def sequence_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross entropy over every (batch, position) pair.
 

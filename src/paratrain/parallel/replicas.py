@@ -30,9 +30,11 @@ from paratrain.parallel.data_parallel_step import DataParallelStep, GradientRedu
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.metric_tally import Metric, Tally
 from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.replica_builder import Replica, build_replica, place_replicas
 from paratrain.parallel.strategy import StepStats
+from paratrain.parallel.tensor import vocab_loss
 from paratrain.parallel.tensor.compose import SplitsLayers
 from paratrain.runtime import comm
 
@@ -82,7 +84,15 @@ class ReplicaShare(SplitsLayers):
             recompute=recompute,
         )
         self.tensor_split, self.buffer_sync = replica.tensor_split, replica.buffer_sync
+        # a vocab-split lm head keeps its logits split where the loss is ours (vocab_loss)
+        self.loss_fn = vocab_loss.sharded_loss(self.loss_fn, replica.model) or self.loss_fn
         return replica
+
+    def tally(self, metric: Metric) -> Tally:
+        """As every engine's, after making a vocab-split head's logits whole again: a
+        tally reads them (accuracy, its own loss)."""
+        self.loss_fn = vocab_loss.gathered(self.loss_fn)
+        return super().tally(metric)
 
     def _plug_step(self, reducer: GradientReducer, forward: Callable[[Any], Any]) -> None:
         """Build this engine's step (``data_parallel_step``) from its replica and the

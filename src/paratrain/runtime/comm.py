@@ -67,6 +67,13 @@ def all_reduce_sum(
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
+def all_reduce_max(tensor: torch.Tensor, *, group: ProcessGroup | None = None) -> None:
+    """In-place elementwise maximum over ``group`` (a vocabulary-split softmax's max)."""
+    _count("all_reduce", tensor)
+    with collective("all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
 def all_gather_flat(
     output: torch.Tensor,
     shard: torch.Tensor,

@@ -16,6 +16,10 @@ state-dict keys do not change, and its forward's meaning:
   read; its input and parameters pass ``f``, so their gradients are summed over the ranks.
 - ``VocabEmbedding``: rows (token ids) split; a rank looks up the ids it holds, zeros the
   others, and ``g`` sums the ranks' rows.
+- ``VocabHead``: an output layer's rows (one per token id) split as the embedding's, so a
+  tied pair stays one tensor; its output is this rank's range of the logits, which
+  ``vocab_loss`` turns into the cross-entropy without gathering them, or, where the loss
+  needs whole logits (``gather``), gathered over the group.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from paratrain.parallel.tensor.detect import in_width, is_conv1d, out_width
-from paratrain.parallel.tensor.mappings import copy_to_tensor_group, reduce_from_tensor_group
+from paratrain.parallel.tensor.mappings import (
+    copy_to_tensor_group,
+    gather_from_tensor_group,
+    reduce_from_tensor_group,
+)
 from paratrain.parallel.tensor.shards import ShardSpec
 
 
@@ -132,3 +140,33 @@ class VocabEmbedding(nn.Module):
         local = (ids - self.start).masked_fill(outside, 0)
         rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_group(rows, self.group)
+
+
+class VocabHead(nn.Module):
+    """This rank's rows of an output ``nn.Linear`` (logits ``[start, end)`` of the
+    vocabulary): ``f`` on its input (its gradient summed over the ranks, as a colwise
+    layer's), then the local matmul. ``gather`` (set by ``vocab_loss``) joins the ranks'
+    logits for a loss that reads all of them."""
+
+    def __init__(
+        self, linear: nn.Linear, *, rank: int, tensor: int, group: ProcessGroup | None
+    ) -> None:
+        super().__init__()
+        self.group, self.rank, self.tensor = group, rank, tensor
+        spec = ShardSpec(dim=0, parts=tensor)
+        self.shard_specs = {"weight": spec}
+        self.weight = _slice_parameter(linear.weight, spec, rank)
+        self.bias = None
+        if linear.bias is not None:
+            self.shard_specs["bias"] = spec
+            self.bias = _slice_parameter(linear.bias, spec, rank)
+        self.in_features, self.vocab = linear.in_features, linear.out_features
+        self.out_features = self.vocab // tensor
+        self.start = rank * self.out_features
+        self.gather = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(copy_to_tensor_group(x, self.group), self.weight, self.bias)
+        if not self.gather:
+            return logits
+        return gather_from_tensor_group(logits, self.group, rank=self.rank, parts=self.tensor)

@@ -8,6 +8,10 @@ computed a partial product over its input slice, so forward sums them (one all-r
 every rank then holds the whole output, whose gradient is already whole: backward is the
 identity. A colwise/rowwise pair therefore costs one all-reduce forward and one backward.
 
+``gather_from_tensor_group`` joins the members' slices of the last dimension (a
+vocabulary-split head's logits, for a loss that needs them all): all-gather forward, this
+member's slice of the gradient backward.
+
 ``CALLS`` counts them and ``BYTES`` their payload, so tests (and the run summary) can check
 those counts. A layer split with ``group=LOCAL`` runs on one process as one member of a
 tensor group would, its operators counting what they would send and sending nothing: the
@@ -72,3 +76,44 @@ def copy_to_tensor_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.T
 def reduce_from_tensor_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``g``: all-reduce forward, identity backward."""
     return _ReduceFromTensorGroup.apply(x, group)
+
+
+class _GatherFromTensorGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup | None, rank: int, parts: int
+    ) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, x.shape[-1]
+        return _gathered_last(x, group, rank, parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        start = ctx.rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None, None, None
+
+
+def _gathered_last(
+    x: torch.Tensor, group: ProcessGroup | None, rank: int, parts: int
+) -> torch.Tensor:
+    """Every member's ``x`` joined along the last dimension, in rank order (``LOCAL``: this
+    member's slice in place, zeros for the others, the bytes counted as if gathered)."""
+    CALLS["forward"] += 1
+    BYTES["forward"] += x.numel() * x.element_size()
+    if group is LOCAL:
+        out = x.new_zeros(parts, *x.shape)
+        out[rank] = x
+    else:
+        flat = x.detach().contiguous().reshape(-1)
+        out = flat.new_empty(parts * flat.numel())
+        comm.all_gather_flat(out, flat, group=group)
+        out = out.view(parts, *x.shape)
+    return torch.movedim(out, 0, -2).reshape(*x.shape[:-1], parts * x.shape[-1])
+
+
+def gather_from_tensor_group(
+    x: torch.Tensor, group: ProcessGroup | None, *, rank: int, parts: int
+) -> torch.Tensor:
+    """All-gather along the last dimension forward (each member's slice of the features,
+    in rank order), this member's slice of the gradient backward: a vocabulary-split
+    head's whole logits, for a loss that needs them."""
+    return _GatherFromTensorGroup.apply(x, group, rank, parts)

@@ -1,7 +1,8 @@
 """The tensor-parallel plan: which modules split how, found or given, checked before use.
 
 ``tp_plan`` maps ``fnmatch`` patterns over module names (``model.named_modules()``) to
-``"colwise"``, ``"rowwise"``, ``"vocab"`` or ``"replicate"``; a module takes the first
+``"colwise"``, ``"rowwise"``, ``"vocab"`` (an embedding or an lm head, split by token id)
+or ``"replicate"``; a module takes the first
 pattern that matches it (``"auto"``, or Hugging Face's kinds: see ``hf_plan``). Without
 one, the plan is found where it is unambiguous: the ``nn.Linear`` (or ``Conv1D``)
 children of one module, one or two feeding another through elementwise ops only
@@ -14,7 +15,8 @@ one in the workers, and refused with one sentence naming the module: no split fo
 pattern naming no module, a module of the wrong type, a colwise layer without the rowwise
 layer that takes its slice (or joined to it by more than elementwise ops), a colwise
 layer in a module whose forward does not trace (nothing could check it), a width or head
-count that ``tensor`` does not divide, a tied parameter. Pairs live in one parent module:
+count that ``tensor`` does not divide, a tied parameter (but for one tied across "vocab"
+modules: an embedding and its head cut alike). Pairs live in one parent module:
 an ``up`` in one module and its ``down`` in another are not paired.
 """
 
@@ -60,6 +62,16 @@ class TensorPlan:
             {name: kind for name, kind in self.splits.items() if kept(name)},
             tuple(name for name in self.attention if kept(name)),
         )
+
+
+def _vocab_module(module: nn.Module) -> bool:
+    """What "vocab" splits by token id: an embedding's rows, an output layer's rows."""
+    return isinstance(module, (nn.Embedding, nn.Linear))
+
+
+def vocab_size(module: nn.Module) -> int:
+    """The vocabulary a "vocab" module covers: its rows (embedding) or outputs (head)."""
+    return module.num_embeddings if isinstance(module, nn.Embedding) else module.out_features
 
 
 def _parent(name: str) -> tuple[str, str]:
@@ -147,7 +159,7 @@ def plan_from_patterns(model: nn.Module, tp_plan: dict[str, str]) -> TensorPlan:
     for name, kind in chosen.items():
         module = modules[name]
         wanted, what = (
-            (lambda m: isinstance(m, nn.Embedding), "an nn.Embedding")
+            (_vocab_module, "an nn.Embedding or an output nn.Linear (the lm head)")
             if kind == VOCAB
             else (is_linear, "an nn.Linear (or GPT-2's Conv1D)")
         )
@@ -227,31 +239,42 @@ def _check_divisible(model: nn.Module, plan: TensorPlan, tensor: int) -> None:
         what, size = {
             COLWISE: ("output features", out_width),
             ROWWISE: ("input features", in_width),
-            VOCAB: ("rows", lambda embedding: embedding.num_embeddings),
+            VOCAB: ("token ids", vocab_size),
         }[kind]
         size = size(module)
         if size % tensor:
+            divisors = [d for d in range(2, min(size, 64) + 1) if size % d == 0]
+            which = ", ".join(map(str, divisors[:8])) if divisors else "none up to 64"
             raise ValueError(
                 f"{name!r} ({kind}) has {size} {what}, which tensor={tensor} does not divide; "
-                f"choose a tensor that divides {size}, or make {name!r} replicate in tp_plan."
+                f"choose a tensor that divides {size} ({which}), pad the "
+                f"{'vocabulary' if kind == VOCAB else 'width'} to a multiple of {tensor}, or "
+                f"make {name!r} replicate in tp_plan."
             )
     for name in plan.attention:
         check_heads(name, attention_shape(modules[name]), tensor)
 
 
 def _check_untied(model: nn.Module, plan: TensorPlan) -> None:
-    """A tied parameter is one tensor under two names: splitting one of them is refused."""
-    seen: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        seen[id(param)] = seen.get(id(param), 0) + 1
+    """A tied parameter is one tensor under two names: splitting one of them is refused,
+    unless every module holding it splits it by vocabulary (a tied embedding and lm head
+    cut the same rows, so the slice stays one tensor)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(_join(name, pname))
     split = [*plan.splits, *plan.attention]
     modules = dict(model.named_modules())
     for name in split:
         for pname, param in modules[name].named_parameters():
-            if seen[id(param)] > 1:
+            holders = owners[id(param)]
+            if len(holders) > 1 and not all(
+                plan.splits.get(_parent(h)[0]) == VOCAB for h in holders
+            ):
                 raise ValueError(
-                    f"{_join(name, pname)!r} is tied to another parameter, so it cannot be "
-                    f"split; untie it, or make {name!r} replicate in tp_plan."
+                    f"{_join(name, pname)!r} is tied to {', '.join(map(repr, holders))}, so it "
+                    f"cannot be split alone; make every module holding it 'vocab' (a tied "
+                    f"embedding and lm head), untie it, or make {name!r} replicate in tp_plan."
                 )
 
 

@@ -189,7 +189,7 @@ def split_model(
     plan = whole_plan if only is None else whole_plan.restricted_to(only)
     wholes = setup_check.keep_wholes(model, plan.attention)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head's name too
     shapes = {name: params[name].shape for name in specs}
     split = TensorSplit(tensor, rank, group, plan, specs, shapes, whole_plan)
     setup_check.arm(model, wholes, split.joined)
