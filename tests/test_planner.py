@@ -223,12 +223,12 @@ LAYOUTS = [
     ("gpt", "pipeline", {"stages": 2, "micro_batches": 4, "schedule": "gpipe"}),
     ("gpt", "dp", {"tensor": 2, "precision": "bf16"}),
     ("gpt", "pipeline", {"stages": 2, "tensor": 2, "micro_batches": 2, "recompute": True}),
+    # its live peak is bimodal (401,016 or 414,200 bytes on this machine, 1 run in 6 the
+    # latter): gloo's worker thread sometimes still holds the last forward all-reduce's
+    # buffer through the loss's backward, which the prediction now counts
+    # (``live_cost.collective_lag``): 404,588 predicted, +0.9% and -2.3%
+    ("gpt", "tp", {"tensor": 4}),
 ]
-# Not here: ("gpt", "tp", {"tensor": 4}). Its live peak on rank 0 takes one of two values
-# from run to run (in 1 of 3 runs on the merged code it was 6.54% above the prediction,
-# past UNDER): a buffer of the tensor group's collectives is sometimes alive at the peak
-# and the prediction does not count it. Issue 29 keeps it open; tensor=2 under dp and the
-# pipeline above stay held.
 
 
 @pytest.mark.slow
