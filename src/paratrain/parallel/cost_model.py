@@ -161,9 +161,10 @@ class ModelCosts:
     """Bytes of the targets the loss saves, likewise."""
     loss_saved: Line = field(default_factory=Line.zero)
     """Bytes the loss saves of its own (log-probabilities), in the micro-batch's samples."""
-    modules: tuple[tuple[str, str, int], ...] = ()
+    modules: tuple[tuple[str, str, int, bool], ...] = ()
     """Every module as (its ``named_modules`` path, its class name, the bytes of the
-    trainable parameters it holds itself, a tied one at its first holder): what a strategy
+    trainable parameters it holds itself, a tied one at its first holder, whether it has a
+    forward of its own): what a strategy
     that cuts the model at modules of its own choosing (zero3's units) sizes them from."""
 
     def param_bytes(self, layers: range | None = None) -> int:

@@ -403,9 +403,10 @@ def measure_model(
     )
 
 
-def module_listing(model: nn.Module) -> tuple[tuple[str, str, int], ...]:
-    """Each module's path, class name and the trainable bytes it holds itself (a shared
-    parameter at its first holder), in ``named_modules`` order (``ModelCosts.modules``)."""
+def module_listing(model: nn.Module) -> tuple[tuple[str, str, int, bool], ...]:
+    """Each module's path, class name, the trainable bytes it holds itself (a shared
+    parameter at its first holder) and whether it has a forward of its own (a ModuleList
+    has none), in ``named_modules`` order (``ModelCosts.modules``)."""
     seen: set[int] = set()
     listing = []
     for path, module in model.named_modules():
@@ -414,7 +415,8 @@ def module_listing(model: nn.Module) -> tuple[tuple[str, str, int], ...]:
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
                 own += param.numel() * param.element_size()
-        listing.append((path, type(module).__name__, own))
+        called = type(module).forward is not nn.Module.forward
+        listing.append((path, type(module).__name__, own, called))
     return tuple(listing)
 
 

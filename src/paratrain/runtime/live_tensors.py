@@ -144,7 +144,7 @@ def _site(op: str) -> str:
     """``op`` and the innermost frame outside torch and this module that led to it."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         path = frame.filename
-        if "/torch/" not in path and not path.endswith("live_tensors.py"):
+        if "/torch/" not in path and path != __file__:
             where = "/".join(path.split("/")[-2:])
             return f"{op} at {where}:{frame.lineno} {frame.name}"
     return op

@@ -1,14 +1,16 @@
 """zero3's units sized for the planner, from the measured model's module listing.
 
 The engine picks its units on the model itself (``units.unit_modules``); the planner has
-only what it measured (``ModelCosts.modules``: each module's path, class and the trainable
-bytes it holds itself), so the same rules are applied to that listing: the given entries
-by class name or by name pattern (outermost matches), or by default a layer list's layers,
-else a model's repeated blocks (a class occurring twice or more among the children of one
-``ModuleList``/``Sequential``), else its top-level children. What no unit holds is the
-root, gathered through the whole forward and backward. Two units sharing a parameter
-(tied weights), which the engine joins into one, are sized apart here: the shared
-parameter counts once, at its first holder.
+only what it measured (``ModelCosts.modules``: each module's path, class, the trainable
+bytes it holds itself, whether it has a forward), so the same rules are applied to that
+listing: the given entries by class name or by name pattern (outermost matches), or by
+default a layer list's layers, else a model's repeated blocks (a class occurring twice or
+more among the children of one ``ModuleList``/``Sequential``), else its top-level
+children; a module with no forward of its own (a ``ModuleList``, which fires no hooks) is
+replaced by its children. What no unit holds is the root, gathered through the whole
+forward and backward. Two units sharing a parameter (tied weights), which the engine
+joins into one, are sized apart here: the shared parameter counts once, at its first
+holder.
 """
 
 from __future__ import annotations
@@ -36,7 +38,29 @@ def _outermost(paths: list[str]) -> list[str]:
 
 def unit_paths(costs: ModelCosts, units: Any) -> list[str]:
     """The module paths of the units, in module order (see the module docstring)."""
-    listing = [(path, kind) for path, kind, _ in costs.modules if path]
+    return _called(costs, _chosen(costs, units))
+
+
+def _called(costs: ModelCosts, paths: list[str]) -> list[str]:
+    """Each path, or where its module has no forward, its trainable children's (``units``
+    does the same)."""
+    called = {path: has_forward for path, _, _, has_forward in costs.modules}
+    out = []
+    for path in paths:
+        if called.get(path, True):
+            out.append(path)
+        else:
+            children = [
+                p
+                for p, *_ in costs.modules
+                if p != path and _parent(p) == path and _held(costs, p) > 0
+            ]
+            out += _called(costs, children)
+    return out
+
+
+def _chosen(costs: ModelCosts, units: Any) -> list[str]:
+    listing = [(path, kind) for path, kind, *_ in costs.modules if path]
     held = {path: _held(costs, path) for path, _ in listing}
     trainable = [(path, kind) for path, kind in listing if held[path] > 0]
     if units is not None:
@@ -63,7 +87,7 @@ def unit_paths(costs: ModelCosts, units: Any) -> list[str]:
 
 
 def _held(costs: ModelCosts, outer: str) -> int:
-    return sum(own for path, _, own in costs.modules if _inside(path, outer))
+    return sum(own for path, _, own, _ in costs.modules if _inside(path, outer))
 
 
 def units_by_layer(costs: ModelCosts, units: Any) -> tuple[list[list[float]], float]:
