@@ -240,6 +240,19 @@ def test_predicted_peaks_cover_the_live_peaks_of_four_workers():
         _holds(_predicted(kind, strategy, options, 4, global_batch), peak, f"{kind} {strategy}")
 
 
+def test_the_benchmarks_table_covers_every_category_the_issue_lists():
+    """``bench_planner.py --part memory`` holds the prediction against the live count on
+    every strategy, schedule, stage count, recompute, bf16 and the Hugging Face models."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_memory
+
+    assert planner_memory.missing(planner_memory.CONFIGS) == []
+    assert planner_memory.missing(planner_memory.CONFIGS[:3]) != []
+
+
 class _NoLayerList(nn.Module):
     """The test gpt behind a forward of its own (as a Hugging Face model is): measured as
     one layer fed token ids, so with its parameters' gradients."""

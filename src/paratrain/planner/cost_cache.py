@@ -40,9 +40,9 @@ from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 3
+FORMAT = 4
 """Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
-optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines, the
+optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines; 4: the
 module listing), so that a file of an older shape is measured again rather than read
 with defaults."""
 

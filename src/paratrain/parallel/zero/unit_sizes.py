@@ -94,6 +94,11 @@ def units_by_layer(costs: ModelCosts, units: Any) -> tuple[list[list[float]], fl
     """Per layer of ``costs``, its units' trainable bytes in module order (a unit goes to
     the layer that holds it, or the first layer it holds; a model that is no layer list is
     one layer), and the root's bytes."""
+    if not costs.modules:
+        raise ValueError(
+            "these costs carry no module listing to size zero3's units from; measure the "
+            "model again (paratrain plan --refresh, or refresh=True)."
+        )
     names = [layer.name for layer in costs.layers]
     by_layer: list[list[float]] = [[] for _ in names]
     placed = 0.0
