@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.parallel.cost_model import ModelCosts, OptimizerCost
+from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.layers import is_layer_list
 from paratrain.parallel.zero.unit_sizes import unit_paths, units_by_layer
 from paratrain.parallel.zero.units import ROOT, unit_layout, unit_modules
@@ -40,9 +40,9 @@ class Tower(nn.Module):
 
 
 def _costs(model: nn.Module) -> ModelCosts:
+    """Costs carrying only what unit sizing reads: the layers' names and bytes and the
+    module listing."""
     listed = is_layer_list(model)
-    from paratrain.parallel.cost_model import LayerCost, Line
-
     layers = model if listed else [model]
     names = [str(i) for i in range(len(layers))] if listed else [type(model).__name__]
     zero = Line(0.0, 0.0)
