@@ -126,6 +126,7 @@ CONFIGS = [
     ("gpt", "zero3", 2, {}),
     ("gpt", "zero3", 2, {"recompute": True}),
     ("gpt", "tp", 2, {}),
+    ("gpt", "tp", 4, {}),
     ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4}),
     ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "gpipe"}),
     ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8}),
@@ -147,6 +148,48 @@ CONFIGS = [
 """Every strategy but ``ps`` (never proposed), recompute on and off, bf16, the pipeline at
 2 and 4 stages under 1F1B and GPipe, tp and pipeline x tensor, zero3 with units of a
 layer and of one linear each, zero2 with small buckets, and Hugging Face models."""
+
+
+def _pipeline(stages: int, schedule: str):
+    def test(model, strategy, devices, options):
+        return (
+            strategy == "pipeline"
+            and options.get("stages") == stages
+            and options.get("schedule", "1f1b") == schedule
+            and options.get("tensor", 1) == 1
+        )
+
+    return test
+
+
+CATEGORIES = {
+    "single": lambda m, s, d, o: s == "single",
+    "dp": lambda m, s, d, o: s == "dp",
+    "zero1": lambda m, s, d, o: s == "zero1",
+    "zero2": lambda m, s, d, o: s == "zero2",
+    "zero3, default units": lambda m, s, d, o: s == "zero3" and "units" not in o,
+    "zero3, other units": lambda m, s, d, o: s == "zero3" and "units" in o,
+    "pipeline 2 stages 1F1B": _pipeline(2, "1f1b"),
+    "pipeline 2 stages GPipe": _pipeline(2, "gpipe"),
+    "pipeline 4 stages 1F1B": _pipeline(4, "1f1b"),
+    "pipeline 4 stages GPipe": _pipeline(4, "gpipe"),
+    "tp": lambda m, s, d, o: s == "tp",
+    "pipeline x tensor": lambda m, s, d, o: s == "pipeline" and o.get("tensor", 1) > 1,
+    "recompute on": lambda m, s, d, o: bool(o.get("recompute")),
+    "recompute off": lambda m, s, d, o: not o.get("recompute"),
+    "bf16": lambda m, s, d, o: o.get("precision") == "bf16",
+    "Hugging Face GPT-2": lambda m, s, d, o: m == "gpt2",
+    "Hugging Face Llama": lambda m, s, d, o: m == "llama",
+}
+"""What issue 29 asks the table to cover, each a test of a (model, strategy, devices,
+options) row."""
+LEAST_ROWS = 24
+
+
+def missing(configs: list) -> list[str]:
+    """The ``CATEGORIES`` no row of ``configs`` covers, and a note if it has too few rows."""
+    absent = [name for name, test in CATEGORIES.items() if not any(test(*c) for c in configs)]
+    return absent + ([f"{LEAST_ROWS} rows"] if len(configs) < LEAST_ROWS else [])
 
 
 def memory_part(global_batch: int, steps: int) -> list[dict]:
@@ -195,9 +238,11 @@ def memory_part(global_batch: int, steps: int) -> list[dict]:
         )
     worst = max(abs(r["error"]) for r in rows)
     under = min(r["error"] for r in rows)
+    absent = missing(CONFIGS)
     print(
         f"\nworst error {worst:.1%}, largest under-prediction {min(0.0, under):.1%}, over "
-        f"{len(rows)} configurations"
+        f"{len(rows)} configurations; "
+        + (f"missing: {', '.join(absent)}" if absent else "every category of issue 29 covered")
     )
     return rows
 

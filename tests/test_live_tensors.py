@@ -2,11 +2,12 @@
 we did not write: PyTorch's ``MemTracker`` and a plain loop's bytes worked out by hand.
 
 Pure single-process tests (a second each); the planner's predictions are held against the
-count in ``test_planner_live_memory.py``.
+count in ``test_planner.py``.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,3 +87,26 @@ def test_a_module_called_several_times_and_storages_resized_are_followed():
         assert live.current == grown + 4000
     assert grown == 2 * 4 * (IN * IN + IN)  # weights, bias and their gradients
     assert live.peak >= grown + 2 * BATCH * IN * 4  # an input and an output at least
+
+
+def test_a_traced_count_names_where_the_peaks_storages_were_made():
+    """``trace=True`` keeps, for the storages alive at the peak, the operator and the
+    frame that made them: the 1 MiB temporary made on a known line is there, with its
+    bytes, and the peak is the same as without the trace."""
+
+    def step(x):
+        wide = torch.zeros(1 << 18)  # 1 MiB, alive at the peak only
+        return (x * 2).sum() + wide.sum()
+
+    x = torch.randn(BATCH, IN)
+    with LiveTensors() as plain:
+        step(x)
+    with LiveTensors(trace=True) as traced:
+        step(x)
+    assert traced.peak == plain.peak
+    sizes = dict((site, size) for size, site in traced.at_peak())
+    made_here = [site for site in sizes if site.startswith("zeros.default at ") and "step" in site]
+    assert made_here and sizes[made_here[0]] == 4 << 18
+    assert sum(sizes.values()) == traced.peak
+    with pytest.raises(ValueError, match="trace=True"):
+        plain.at_peak()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import paratrain
 from paratrain.parallel.cost_model import Line, Prediction, ledger_at_peak
@@ -223,12 +224,12 @@ LAYOUTS = [
     ("gpt", "pipeline", {"stages": 2, "micro_batches": 4, "schedule": "gpipe"}),
     ("gpt", "dp", {"tensor": 2, "precision": "bf16"}),
     ("gpt", "pipeline", {"stages": 2, "tensor": 2, "micro_batches": 2, "recompute": True}),
+    # its live peak is bimodal (401,016 or 414,200 bytes on this machine, 1 run in 6 the
+    # latter): gloo's worker thread sometimes still holds the last forward all-reduce's
+    # buffer through the loss's backward, which the prediction now counts
+    # (``live_cost.collective_lag``): 404,588 predicted, +0.9% and -2.3%
+    ("gpt", "tp", {"tensor": 4}),
 ]
-# Not here: ("gpt", "tp", {"tensor": 4}). Its live peak on rank 0 takes one of two values
-# from run to run (in 1 of 3 runs on the merged code it was 6.54% above the prediction,
-# past UNDER): a buffer of the tensor group's collectives is sometimes alive at the peak
-# and the prediction does not count it. Issue 29 keeps it open; tensor=2 under dp and the
-# pipeline above stay held.
 
 
 @pytest.mark.slow
@@ -237,6 +238,55 @@ def test_predicted_peaks_cover_the_live_peaks_of_four_workers():
     live = paratrain.launch(pw.live_peaks, devices=4, args=(LAYOUTS, global_batch))[0]
     for (kind, strategy, options), peak in zip(LAYOUTS, live, strict=True):
         _holds(_predicted(kind, strategy, options, 4, global_batch), peak, f"{kind} {strategy}")
+
+
+def test_the_benchmarks_table_covers_every_category_the_issue_lists():
+    """``bench_planner.py --part memory`` holds the prediction against the live count on
+    every strategy, schedule, stage count, recompute, bf16 and the Hugging Face models."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_memory
+
+    assert planner_memory.missing(planner_memory.CONFIGS) == []
+    assert planner_memory.missing(planner_memory.CONFIGS[:3]) != []
+
+
+class _NoLayerList(nn.Module):
+    """The test gpt behind a forward of its own (as a Hugging Face model is): measured as
+    one layer fed token ids, so with its parameters' gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList(pw.model("gpt"))
+
+    def forward(self, x):
+        for layer in self.inner:
+            x = layer(x)
+        return x
+
+
+def test_a_whole_model_measured_at_small_sizes_peaks_as_at_the_runs_size():
+    """Measured at 1 and 2 samples (a slow model on a busy machine) or at 4 and 8, the
+    whole model's backward peak at 8 and 16 samples is the same to the byte: each stretch
+    between two gradients' arrivals is a line in the samples (the allocations are), and
+    the peak is their highest (``Envelope``). The one line through the two small sizes'
+    peaks, which the planner used before, reads the gradients' moment and comes out low."""
+    optimizer = measure_optimizer(pw.adam)
+    model, sample = _NoLayerList(), pw.batch("gpt", 8)
+    small, large = (
+        measure_model(
+            model, sample, loss_fn=pw.loss("gpt"), optimizer=optimizer, tensor=1, samples=samples
+        )
+        .layers[0]
+        .transient
+        for samples in (2, 8)
+    )
+    assert len(small.lines) > 1
+    assert [small.at(n) for n in (8, 16)] == [large.at(n) for n in (8, 16)]
+    one_line = Line.through((1, small.at(1)), (2, small.at(2)))
+    assert one_line.at(8) < 0.95 * large.at(8)
 
 
 # ------------------------------------------------------------------ plan and auto

@@ -22,7 +22,12 @@ from paratrain.parallel.cost_model import (
     Run,
     ledger_at_peak,
 )
-from paratrain.parallel.live_cost import backward_peak, step_temporaries, with_transient
+from paratrain.parallel.live_cost import (
+    backward_peak,
+    collective_lag,
+    step_temporaries,
+    with_transient,
+)
 
 EXTRA_SLOT_BYTES = 8
 """The loss and the unused-parameter count riding in the last bucket (fp32 each)."""
@@ -98,7 +103,9 @@ def predict(
         gradients_persist=replicas > 1,
     )
     memory = with_transient(
-        memory, moments=live_moments(costs, run, samples, recompute, replicas, params)
+        memory,
+        moments=live_moments(costs, run, samples, recompute, replicas, params),
+        lag=collective_lag(costs, samples),
     )
     workers = replicas * costs.tensor
     one = compute_seconds(costs, samples, accumulation, recompute)

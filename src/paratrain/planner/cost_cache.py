@@ -35,15 +35,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
+from paratrain.parallel.cost_model import Envelope, LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 2
+FORMAT = 4
 """Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
-optimizer step's temporaries), so that a file of an older shape is measured again rather
-than read with defaults."""
+optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines; 4: the
+module listing), so that a file of an older shape is measured again rather than read
+with defaults."""
 
 
 def _code(code: Any) -> list[Any]:
@@ -138,11 +139,19 @@ def costs_to_json(costs: ModelCosts) -> dict[str, Any]:
 def costs_from_json(data: dict[str, Any], optimizer: OptimizerCost) -> ModelCosts:
     lines = {f.name for f in dataclasses.fields(ModelCosts) if f.type in ("Line", Line)}
     layer_lines = {f.name for f in dataclasses.fields(LayerCost) if f.type in ("Line", Line)}
+
+    def field_of(name: str, value: Any) -> Any:
+        if name in layer_lines:
+            return Line(**value)
+        if name == "transient":
+            return Envelope(tuple(Line(**line) for line in value["lines"]))
+        return value
+
     layers = tuple(
-        LayerCost(**{k: Line(**v) if k in layer_lines else v for k, v in layer.items()})
-        for layer in data["layers"]
+        LayerCost(**{k: field_of(k, v) for k, v in layer.items()}) for layer in data["layers"]
     )
     rest = {k: Line(**v) if k in lines else v for k, v in data.items() if k != "layers"}
+    rest["modules"] = tuple(tuple(module) for module in rest.get("modules", ()))
     return ModelCosts(layers=layers, optimizer=optimizer, **rest)
 
 

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from paratrain.parallel.batching import batch_size, map_tensors
-from paratrain.parallel.cost_model import LayerCost, Line, ModelCosts, OptimizerCost
+from paratrain.parallel.cost_model import Envelope, LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layer_profile import detached, storage_key, tensors_in
@@ -246,23 +246,32 @@ def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, re
     return fastest_seconds(forward, repeats), fastest_seconds(forward_backward, repeats)
 
 
-def _layer_live_peak(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of) -> int:
-    """Bytes live at the highest moment of ``layer``'s forward and backward alone on its
-    recorded input (``LiveTensors``), its parameters and that input apart: what it saves,
-    its output and the output's gradient, its operators' temporaries, its input's gradient
-    and its parameters' gradients. Run once, outside the timed runs (the count slows each
-    operator).
+def _layer_live_peak(
+    layer: nn.Module, recorded: tuple[tuple, dict], autocast_of
+) -> list[tuple[int, int]]:
+    """Bytes live at the highest moments of ``layer``'s forward and backward alone on its
+    recorded input (``LiveTensors``), its parameters and that input apart, as (bytes beyond
+    the parameters' gradients, those gradients' bytes) per stretch of backward: what it
+    saves, its output and the output's gradient, its operators' temporaries, its input's
+    gradient, and its parameters' gradients. Run once, outside the timed runs (the count
+    slows each operator).
 
-    Why the parameters' gradients are added rather than measured: measured with them, the
-    peak is the larger of a moment the activations dominate and one the gradients do, which
-    is no line in the micro-batch: a block of the quick-start gpt peaks at 0.92 MB with 1
-    sample and 1.05 MB with 2, then at 5.8 MB with 16, not the 2.9 MB the line through the
-    first two gives. Backward to the input alone peaks in proportion to the micro-batch;
-    the gradients, all of them at once, bound the rest (high by at most the layer's
-    parameter bytes). A layer with no floating input (an embedding) is measured with its
-    parameters' gradients, which are then all it makes beyond its output."""
+    Why a layer with a floating input has its parameters' gradients added rather than
+    measured: measured with them, the peak is the larger of a moment the activations
+    dominate and one the gradients do, which is no line in the micro-batch (a block of the
+    quick-start gpt peaks at 0.92 MB with 1 sample and 1.05 MB with 2, then at 5.8 MB with
+    16, not the 2.9 MB the line through the first two gives). Backward to the input alone
+    peaks in proportion to the micro-batch; the gradients, all of them at once, bound the
+    rest (high by at most the layer's parameter bytes): one stretch. A layer with no
+    floating input (an embedding; a whole model that is no layer list, fed token ids) is
+    measured with its parameters' gradients, cut at each gradient's arrival into stretches
+    whose gradients so far are fixed and whose rest grows with the micro-batch
+    (``Envelope``: the whole model's gradients added at once would err high by all of
+    them)."""
     args, kwargs = recorded
     params = [p for p in layer.parameters() if p.requires_grad]
+    stretches: list[tuple[int, int]] = []
+    made = 0
     with LiveTensors() as live:
         live.exclude([*layer.parameters(), *layer.buffers(), *tensors_in([args, kwargs])])
         a = tuple(
@@ -275,14 +284,26 @@ def _layer_live_peak(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of
             out = layer(*a, **kwargs)
         outs = [t for t in tensors_in(out) if t.requires_grad]
         inputs = [t for t in tensors_in(a) if t.requires_grad]
-        sources = inputs or params
-        if outs and sources:
-            grads = torch.autograd.grad(
-                outs, sources, [torch.ones_like(t) for t in outs], allow_unused=True
-            )
-            del grads
-    added = sum(p.numel() * p.element_size() for p in params) if inputs else 0
-    return live.peak + added
+
+        def arrived(grad: Tensor) -> None:
+            nonlocal made
+            stretches.append((live.peak - made, made))
+            live.reset_peak()
+            made += grad.numel() * grad.element_size()
+
+        handles = [] if inputs else [p.register_hook(arrived) for p in params]
+        try:
+            if outs and (inputs or params):
+                grads = torch.autograd.grad(
+                    outs, inputs or params, [torch.ones_like(t) for t in outs], allow_unused=True
+                )
+                del grads
+        finally:
+            for handle in handles:
+                handle.remove()
+    if inputs:
+        return [(live.peak, sum(p.numel() * p.element_size() for p in params))]
+    return [*stretches, (live.peak - made, made)]
 
 
 def _split_copy(model: nn.Module, tensor: int, split_plan: dict[str, str] | None) -> nn.Module:
@@ -362,7 +383,10 @@ def measure_model(
     def batch_line(kind: str) -> Line:
         return line(lambda p: p["trace"].batch_saved[kind])
 
-    costs = _layer_costs(subject, layers, listed, line)
+    def envelope(i: int) -> Envelope:
+        return _envelope((small, lo["live_peaks"][i]), (large, hi["live_peaks"][i]))
+
+    costs = _layer_costs(subject, layers, listed, line, envelope)
     return ModelCosts(
         layers=tuple(costs),
         layer_list=listed,
@@ -375,7 +399,25 @@ def measure_model(
         inputs_saved=batch_line("inputs"),
         targets_saved=batch_line("targets"),
         loss_saved=batch_line("loss"),
+        modules=module_listing(subject),
     )
+
+
+def module_listing(model: nn.Module) -> tuple[tuple[str, str, int, bool], ...]:
+    """Each module's path, class name, the trainable bytes it holds itself (a shared
+    parameter at its first holder) and whether it has a forward of its own (a ModuleList
+    has none), in ``named_modules`` order (``ModelCosts.modules``)."""
+    seen: set[int] = set()
+    listing = []
+    for path, module in model.named_modules():
+        own = 0
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                own += param.numel() * param.element_size()
+        called = type(module).forward is not nn.Module.forward
+        listing.append((path, type(module).__name__, own, called))
+    return tuple(listing)
 
 
 def _measure_point(
@@ -399,7 +441,7 @@ def _measure_point(
     for i, layer in enumerate(layers):
         if trace.inputs[i] is None:
             times.append((0.0, 0.0))
-            peaks.append(0)
+            peaks.append([(0, 0)])
             continue
         key = block_signature(layer, trace.inputs[i])
         if key not in timed:
@@ -449,9 +491,10 @@ def _layer_costs(
     layers: list[nn.Module],
     listed: bool,
     line: Callable[[Callable[[dict], float]], Line],
+    envelope: Callable[[int], Envelope],
 ) -> list[LayerCost]:
     """Each layer's ``LayerCost``: its parameters counted, its measured figures as lines
-    through the two micro-batch sizes (``line``)."""
+    through the two micro-batch sizes (``line``), its live peak as their ``envelope``."""
     costs = []
     for i, layer in enumerate(layers):
         trainable = [p for p in layer.parameters() if p.requires_grad]
@@ -471,11 +514,32 @@ def _layer_costs(
                 output_bytes=line(lambda p, i=i: p["trace"].output_bytes[i]),
                 time_s=line(lambda p, i=i: p["times"][i][1]),
                 forward_s=line(lambda p, i=i: p["times"][i][0]),
-                transient=line(lambda p, i=i: p["live_peaks"][i]),
+                transient=envelope(i),
                 largest_param_elements=max((p.numel() for p in trainable), default=0),
             )
         )
     return costs
+
+
+def _envelope(
+    small: tuple[int, list[tuple[int, int]]], large: tuple[int, list[tuple[int, int]]]
+) -> Envelope:
+    """Each stretch's bytes beyond the gradients as a line through the two sizes, its
+    gradients (the same at both) added: the ``Envelope`` of ``_layer_live_peak``'s two
+    measurements."""
+    (x0, lo), (x1, hi) = small, large
+    if x0 == x1:
+        lo = hi
+    if [g for _, g in lo] != [g for _, g in hi]:
+        raise RuntimeError(
+            "a layer's gradients arrived in another order at another micro-batch size, so "
+            "its backward's stretches cannot be matched; report this model to paratrain."
+        )
+    lines = []
+    for (y0, grads), (y1, _) in zip(lo, hi, strict=True):
+        through = Line.through((x0, y0), (x1, y1))
+        lines.append(Line(through.intercept + grads, through.slope))
+    return Envelope(tuple(lines))
 
 
 def _layer_name(model: nn.Module, layer: nn.Module, listed: bool) -> str:

@@ -30,7 +30,12 @@ from typing import Any
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
 from paratrain.parallel.layer_profile import LayerProfile
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.live_cost import backward_peak, step_temporaries, with_transient
+from paratrain.parallel.live_cost import (
+    backward_peak,
+    collective_lag,
+    step_temporaries,
+    with_transient,
+)
 from paratrain.parallel.options import given
 from paratrain.parallel.pipeline.options import (
     BALANCE,
@@ -129,7 +134,7 @@ def stage_memory(
         recompute,
         steady=steady,
     )
-    return with_transient(memory, moments=moments)
+    return with_transient(memory, moments=moments, lag=collective_lag(costs, samples))
 
 
 def stage_moments(

@@ -22,11 +22,14 @@ from typing import Any
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Prediction, Run, ledger_at_peak
 from paratrain.parallel.live_cost import (
     backward_peak,
+    collective_lag,
     reduce_scatter_staging,
     step_temporaries,
     with_transient,
 )
 from paratrain.parallel.replica_cost import activations, compute_seconds, tensor_seconds
+from paratrain.parallel.zero.unit_sizes import units_by_layer
+from paratrain.parallel.zero.units import UNITS
 
 MiB = 1 << 20
 
@@ -65,7 +68,6 @@ def live_moments(
     recompute = bool(options.get("recompute"))
     kept = stage == 1 or run.gradient_accumulation > 1
     grads = params if stage == 1 else params * shard
-    widest = max((layer.param_bytes for layer in costs.layers), default=0)
     backward = (
         base
         + (params if kept else 0.0)
@@ -76,10 +78,7 @@ def live_moments(
             recompute=recompute,
             grads_kept=kept,
             kept_share=1.0 if stage == 1 else shard,
-            unit_extra=1.0 if stage == 3 else 0.0,
-            scatter=max(2.0, 1.0 + reduce_scatter_staging(backend, 1.0) + shard)
-            if stage == 3
-            else 0.0,
+            **(unit_moments(costs, options, shard, backend) if stage == 3 else {}),
         )
     )
     bucket = min(params, options.get("bucket_mb", 25.0) * MiB)
@@ -95,11 +94,39 @@ def live_moments(
         else bucket / max(1, params) * costs.elements()
     )
     step = base + grads + step_temporaries(costs, unit_elements * shard)
-    if stage == 3:  # the unit in use during forward, with everything forward saved;
-        # its reduce-scatters are each unit's, in backward
+    if stage == 3:  # the root and the unit in use during forward, with everything
+        # forward saved; its reduce-scatters are each unit's, in backward
+        by_layer, root = units_by_layer(costs, options.get(UNITS.name))
+        widest = root + max((size for sizes in by_layer for size in sizes), default=0.0)
         forward = base + widest + activations(costs, run, samples, recompute)
         return backward, step, forward
     return backward, reduce, step
+
+
+def unit_moments(
+    costs: ModelCosts, options: dict[str, Any], shard: float, backend: str
+) -> dict[str, list[float]]:
+    """Stage 3's bytes beyond a layer's own backward (``backward_peak``'s ``gathered``
+    and ``scattered``), from its units (``unit_sizes``): while a unit computes its
+    backward it is gathered whole, and the unit reduced before it (the next in module
+    order) still has its flat gradients in flight (``grads``: each launch waits for the
+    previous message first, so one at a time); the root is gathered throughout. When a
+    unit's gradients are done they and their flat copy are alive together, then the flat
+    copy, the backend's staged copy and the slice."""
+    by_layer, root = units_by_layer(costs, options.get(UNITS.name))
+    flat = [size for sizes in by_layer for size in sizes]
+    factor = max(2.0, 1.0 + reduce_scatter_staging(backend, 1.0) + shard)
+    gathered, scattered, seen = [], [], 0
+    for sizes in by_layer:
+        after = flat[seen + len(sizes)] if seen + len(sizes) < len(flat) else 0.0
+        pairs = [
+            size + (flat[seen + j + 1] if seen + j + 1 < len(flat) else 0.0)
+            for j, size in enumerate(sizes)
+        ]
+        gathered.append(root + max(pairs, default=after))
+        scattered.append(root + factor * max(sizes, default=0.0))
+        seen += len(sizes)
+    return {"gathered": gathered, "scattered": scattered}
 
 
 def predict(
@@ -129,7 +156,7 @@ def predict(
     moments = live_moments(
         costs, run, samples, options, stage=stage, replicas=replicas, backend=machine.backend
     )
-    memory = with_transient(memory, moments=moments)
+    memory = with_transient(memory, moments=moments, lag=collective_lag(costs, samples))
     workers = replicas * costs.tensor
     one = compute_seconds(costs, samples, accumulation, recompute)
     one += costs.optimizer.step_s_per_element * costs.elements() * shard
