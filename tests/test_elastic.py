@@ -22,8 +22,15 @@ from paratrain.run.elastic_checks import check_elastic
 from paratrain.run.faults import Fault, planned_faults
 from paratrain.runtime.elastic import (
     ElasticReferee,
+    ElasticTerms,
+    Post,
+    admit,
+    await_admission,
     is_communication_error,
+    latest_generation,
     mark_elastic,
+    next_generation,
+    read_post,
 )
 from tests.test_parity_dp import relative_error
 
@@ -123,6 +130,32 @@ def test_a_kill_in_the_optimizer_step_and_a_crash_of_the_lead(
 
 
 @pytest.mark.slow
+def test_a_replacement_joins_and_the_run_ends_at_four_workers(
+    tmp_path, monkeypatch, uninterrupted, capfd
+):
+    """Worker 1 dies in step 2; the launcher starts worker 4 (--max-restarts 1); worker 0
+    holds step 4 until worker 4 is ready, so it joins at the boundary after step 4."""
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:2:forward,hold:0:4")
+    run_dir = tmp_path / "grow"
+    flags = ("--devices", "4", "--elastic", "--min-devices", "2", "--max-restarts", "1")
+    assert train(run_dir, *flags) == 0
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [
+        (2, 4, 3),
+        (4, 3, 4),
+    ]
+    assert [(c["lost_ranks"], c["joined_ranks"]) for c in changes] == [([1], []), ([], [4])]
+    assert [c["steps_redone"] for c in changes] == [1, 0]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert len(records(run_dir, "memory")) == 4  # the memory records of the final group
+    out = capfd.readouterr()
+    assert "worker 4 joined after step 4; 4 of 3 workers go on" in out.err + out.out
+    assert "mlp on synthetic, strategy dp, 4 -> 3 -> 4 worker(s)" in out.out
+    assert "  workers           4 at the start, 4 at the end; step 2: 4 -> 3 (lost 1;" in out.out
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
 def test_fewer_than_min_devices_ends_with_one_sentence_and_the_last_step_saved(
     tmp_path, monkeypatch, capsys
 ):
@@ -183,6 +216,7 @@ def test_a_change_of_worker_count_is_one_record_and_one_line():
         "old_workers": 4,
         "new_workers": 3,
         "lost_ranks": [2],
+        "joined_ranks": [],
         "seconds_lost": 1.234,
         "steps_redone": 1,
     }
@@ -198,18 +232,46 @@ def test_the_referee_posts_each_generation_and_stops_below_the_minimum(capsys):
     lost: dict[int, str] = {}
     referee.settle(store, {1}, failures, lost)  # not elastic: a failure stays a failure
     assert failures and not lost
-    mark_elastic(store, 2)
+    mark_elastic(store, ElasticTerms(min_devices=2))
     referee.settle(store, {1}, failures, lost)
     assert not failures and set(lost) == {1}
-    assert json.loads(store.get("paratrain/elastic/members/1")) == [0, 2]
+    assert read_post(store, 1) == Post((0, 2))
     assert not referee.stopping
     failures = {0: "worker process 0 exited with code 1 without a result."}
     referee.settle(store, {0}, failures, lost)
-    assert json.loads(store.get("paratrain/elastic/members/2")) == [2]
+    assert read_post(store, 2) == Post((2,))
     assert referee.stopping
     err = capsys.readouterr().err
     assert "2 worker(s) remain; they go on." in err
     assert "1 worker(s) remain; fewer than the minimum 2 are left" in err
+
+
+def test_the_referee_replaces_the_dead_within_the_budget_and_the_group_admits_them():
+    """Two deaths, one replacement allowed: one worker is started (launch rank 4, after
+    every survivor), announced in the survivors' post; once the group has admitted it in
+    generation 2, a later shrink keeps it; one never admitted is stopped at the end."""
+    store = dist.HashStore()
+    started: list[int] = []
+    referee = ElasticReferee(world_size=4, spawn=started.append)
+    mark_elastic(store, ElasticTerms(min_devices=2, replacements=1))
+    lost: dict[int, str] = {}
+    referee.settle(store, {1}, {1: "killed."}, lost)
+    assert started == [4] and read_post(store, 1) == Post((0, 2, 3), joining=(4,))
+    assert latest_generation(store) == 1
+    number = next_generation(store)  # what the lead does at a boundary (run/elastic)
+    admit(store, number, Post((0, 2, 3, 4)), newcomers=[4])
+    assert await_admission(store, 4, timeout_s=1.0) == 2
+    referee.settle(store, {2}, {2: "killed."}, lost)
+    assert started == [4]  # the one replacement allowed is spent
+    assert read_post(store, 3) == Post((0, 3, 4))
+    assert referee.unneeded(store, finished={0, 3}) == set()
+
+    store = dist.HashStore()
+    referee = ElasticReferee(world_size=2, spawn=lambda rank: None)
+    mark_elastic(store, ElasticTerms(min_devices=1, replacements=1))
+    referee.settle(store, {1}, {1: "killed."}, {})
+    assert referee.unneeded(store, finished=set()) == set()  # the group still runs
+    assert referee.unneeded(store, finished={0}) == {2}  # it ended before 2 joined
 
 
 def test_only_a_failed_collective_is_a_peers_death():

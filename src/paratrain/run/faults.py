@@ -4,9 +4,11 @@ point of a chosen step.
 ``PARATRAIN_FAULT`` holds comma-separated faults
 ``<kind>:<rank>:<step>[:<phase>[:<attempt>]]``:
 ``kill`` SIGKILLs the worker (as the out-of-memory killer would), ``crash`` raises in its
-step. ``rank`` is the worker's launch rank (it keeps it when an elastic job renumbers the
-survivors). Phases, in the order a step meets them: ``start`` (before the step, the
-default), ``forward`` (the model's forward begins), ``backward`` (the first gradient is
+step, ``hold`` (phase ``start`` only) waits before the step until a replacement worker is
+ready to join, so that a drill of growing back knows the boundary it joins at. ``rank``
+is the worker's launch rank (it keeps it when an elastic job renumbers the survivors).
+Phases, in the order a step meets them: ``start`` (before the step, the default),
+``forward`` (the model's forward begins), ``backward`` (the first gradient is
 ready: the gradient of the last parameter), ``allreduce`` (the last gradient is ready: with
 buckets smaller than the model, the earlier buckets' all-reduces are in flight), and
 ``optimizer`` (the optimizer is about to step: every all-reduce has completed). A fault
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paratrain.runtime import comm
@@ -32,7 +35,12 @@ class Fault:
     step: int
     phase: str
 
-    def fire(self) -> None:
+    def fire(self, hold: Callable[[], None] | None = None) -> None:
+        if self.kind == "hold":
+            if hold is None:
+                raise ValueError("a hold fault needs an --elastic run with --max-restarts.")
+            hold()
+            return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected crash at step {self.step} ({self.phase})")
@@ -50,7 +58,13 @@ def planned_faults(attempt: int) -> list[Fault]:
     for entry in filter(None, text.split(",")):
         kind, rank, step, *rest = entry.strip().split(":")
         phase = rest[0] if rest else "start"
-        if kind not in ("kill", "crash") or phase not in PHASES or len(rest) > 2:
+        bad_hold = kind == "hold" and phase != "start"
+        if (
+            kind not in ("kill", "crash", "hold")
+            or phase not in PHASES
+            or len(rest) > 2
+            or bad_hold
+        ):
             raise ValueError(
                 f"PARATRAIN_FAULT entry {entry!r} is not kind:rank:step[:phase[:attempt]]."
             )
@@ -59,11 +73,12 @@ def planned_faults(attempt: int) -> list[Fault]:
     return faults
 
 
-def inject_fault(step: int, attempt: int) -> None:
-    """Fire this worker's ``start`` fault of ``step``, if any."""
+def inject_fault(step: int, attempt: int, hold: Callable[[], None] | None = None) -> None:
+    """Fire this worker's ``start`` fault of ``step``, if any (``hold`` waits for a
+    replacement, see the module docstring)."""
     for fault in planned_faults(attempt):
         if fault.phase == "start" and fault.step == step:
-            fault.fire()
+            fault.fire(hold)
 
 
 def arm_faults(engine, attempt: int) -> None:

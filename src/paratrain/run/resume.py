@@ -118,6 +118,8 @@ def launch_with_restarts(
         except WorkerError as error:
             if attempt >= config.max_restarts or error.terminated:  # SIGTERM: no restart
                 raise
+            if config.elastic:  # its restarts were replacement workers (runtime/elastic)
+                raise
             attempt += 1
             resume_from = latest_checkpoint(run_dir)
             where = f"checkpoint {resume_from}" if resume_from else "the start"
