@@ -9,6 +9,7 @@ lead worker, and a kill that leaves fewer than ``--min-devices``.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig
 from paratrain.run.elastic import Change
 from paratrain.run.elastic_checks import check_elastic
-from paratrain.run.faults import Fault, planned_faults
+from paratrain.run.faults import PHASES, Fault, planned_faults
 from paratrain.runtime.elastic import (
     ElasticReferee,
     ElasticTerms,
@@ -149,9 +150,55 @@ def test_a_replacement_joins_and_the_run_ends_at_four_workers(
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
     assert len(records(run_dir, "memory")) == 4  # the memory records of the final group
     out = capfd.readouterr()
-    assert "worker 4 joined after step 4; 4 of 3 workers go on" in out.err + out.out
+    assert (
+        "worker 4 joined after step 4; 4 workers go on (3 before) (no step redone"
+        in out.err + out.out
+    )
     assert "mlp on synthetic, strategy dp, 4 -> 3 -> 4 worker(s)" in out.out
     assert "  workers           4 at the start, 4 at the end; step 2: 4 -> 3 (lost 1;" in out.out
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_kill_at_a_random_point_loses_no_step(tmp_path, monkeypatch, uninterrupted, seed):
+    """The kill's phase, rank and step drawn from a seeded RNG (seed 0: allreduce, rank 3,
+    step 1; 1: forward, the lead, step 3; 2: start, the lead, step 1): wherever it lands,
+    3 workers go on and the final weights equal the uninterrupted run's."""
+    draw = random.Random(seed)
+    phase, rank, step = draw.choice(PHASES), draw.randrange(4), draw.randint(1, STEPS)
+    monkeypatch.setenv("PARATRAIN_FAULT", f"kill:{rank}:{step}:{phase}")
+    run_dir = tmp_path / f"seed{seed}"
+    assert train(run_dir, "--devices", "4", "--elastic", "--min-devices", "2") == 0
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["new_workers"], c["lost_ranks"]) for c in changes] == [(step, 3, [rank])]
+    # the optimizer phase comes after every all-reduce: the others had finished the step
+    assert changes[0]["steps_redone"] == (0 if phase == "optimizer" else 1)
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_zero2_goes_on_from_the_newest_checkpoint_at_the_survivors_count(
+    tmp_path, monkeypatch, uninterrupted, capfd
+):
+    """zero2 keeps each optimizer shard once: worker 1's death in step 5 takes its shard,
+    so the 3 survivors restart from step 4's checkpoint and compute step 5 again. Against
+    the dp run: the same derivation (only the order of the per-sample sums differs)."""
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:5:forward")
+    run_dir = tmp_path / "zero2"
+    flags = ("--strategy", "zero2", "--devices", "4", "--elastic", "--min-devices", "2")
+    assert train(run_dir, *flags, "--checkpoint-every", "2") == 0
+    out = capfd.readouterr()
+    assert (
+        "paratrain: worker 1 lost; zero2 keeps state that no survivor holds, so the 3 "
+        f"survivors restart from checkpoint {run_dir / 'checkpoints' / 'step-00000004'} (step 4)."
+    ) in out.err
+    assert "strategy zero2, 4 -> 3 worker(s)" in out.out
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [(5, 4, 3)]
+    assert [(c["lost_ranks"], c["steps_redone"]) for c in changes] == [([1], 1)]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
     assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
 
 
@@ -175,8 +222,8 @@ def config(**changes) -> TrainConfig:
 @pytest.mark.parametrize(
     ("changes", "devices", "words"),
     [
-        ({"elastic": True, "strategy": "zero2"}, 4, "dp only: under zero2"),
-        ({"elastic": True, "strategy": "pipeline"}, 4, "dp only: under pipeline"),
+        ({"elastic": True, "strategy": "zero3"}, 4, "dp or zero2 only: under zero3"),
+        ({"elastic": True, "strategy": "pipeline"}, 4, "dp or zero2 only: under pipeline"),
         ({"elastic": True, "global_batch": 32, "min_devices": 2}, 4, "split evenly over 3"),
         ({"elastic": True, "min_devices": 5, "global_batch": 60}, 4, "between 1 and the 4"),
         ({"elastic": True, "precision": "fp16", "global_batch": 12}, 4, "loss scale"),
@@ -204,6 +251,11 @@ def test_faults_name_a_launch_rank_a_step_and_a_phase(monkeypatch):
     assert planned_faults(attempt=1) == []  # a restart runs clean
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:start:1")
     assert planned_faults(attempt=1) == [Fault("kill", 1, 3, "start")]
+    monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4")
+    assert planned_faults(attempt=0) == [Fault("hold", 1, 4, "start")]
+    monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4:forward")  # it waits before a step only
+    with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
+        planned_faults(attempt=0)
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:sideways")
     with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
         planned_faults(attempt=0)
@@ -222,6 +274,12 @@ def test_a_change_of_worker_count_is_one_record_and_one_line():
     }
     assert change.line() == (
         "paratrain: worker 2 lost in step 7; 3 of 4 workers go on (step 7 redone, 1.23 s lost)."
+    )
+    joined = Change(step=9, old=3, new=4, lost=(), seconds_lost=0.5, steps_redone=0, joined=(4,))
+    assert joined.record()["joined_ranks"] == [4]
+    assert joined.line() == (
+        "paratrain: worker 4 joined after step 9; 4 workers go on (3 before) "
+        "(no step redone, 0.50 s lost)."
     )
 
 

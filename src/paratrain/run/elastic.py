@@ -123,10 +123,12 @@ class Change:
             what.append(f"worker {_ranks(self.lost)} lost in step {self.step}")
         if self.joined:
             what.append(f"worker {_ranks(self.joined)} joined after step {self.step}")
-        return (
-            f"paratrain: {'; '.join(what)}; {self.new} of {self.old} workers go on "
-            f"({redone}, {self.seconds_lost:.2f} s lost)."
+        counts = (
+            f"{self.new} of {self.old} workers go on"
+            if self.new <= self.old
+            else f"{self.new} workers go on ({self.old} before)"
         )
+        return f"paratrain: {'; '.join(what)}; {counts} ({redone}, {self.seconds_lost:.2f} s lost)."
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
