@@ -54,8 +54,9 @@ class RunMetrics:
     attempts: list[AttemptStart] = field(default_factory=list)
     """Where each attempt after the first started (the plots mark them)."""
     worker_changes: list[dict[str, Any]] = field(default_factory=list)
-    """The last attempt's ``workers`` records (an elastic run's changes of worker count),
-    ``time_s`` made continuous like the curves' (the plots mark them)."""
+    """The ``workers`` records (an elastic run's changes of worker count) since the last
+    resume (a restart, ``attempt`` 1 and up, keeps them: under ``--elastic`` zero2's
+    survivors restart), ``time_s`` made continuous like the curves' (the plots mark them)."""
 
     @property
     def name(self) -> str:
@@ -139,7 +140,8 @@ def load_run(run_dir: str | Path) -> RunMetrics:
         kind = record["kind"]
         if kind == "config":
             attempt_memory = {}  # a new attempt: another layout may have other workers
-            changes = []
+            if not record.get("attempt"):  # a resume starts the count afresh; a restart not
+                changes = []
             if record is not configs[0]:
                 offset = last  # a resumed attempt's clock starts at 0 again
                 unplaced = _attempt_start(record, offset, attempts)

@@ -20,7 +20,7 @@ import paratrain
 from paratrain.config import TrainConfig, as_dict
 from paratrain.data import GlobalBatchLoader, batches
 from paratrain.models import build_model, loss_for
-from paratrain.parallel import Engine, StepStats
+from paratrain.parallel import Engine, StepStats, strategy_class
 from paratrain.parallel.metric_tally import Tally
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.reports.metrics_file import MetricsWriter
@@ -221,12 +221,13 @@ def setup(
 ) -> WorkerRun:
     """The engine, the loaders, the resumed state, the metrics file and the bar."""
     elastic = None
-    if config.elastic and not joining():  # marked before any step: a death is survived
+    in_memory = config.elastic and strategy_class(config.strategy).elastic  # else fallback
+    if in_memory and not joining():  # marked before any step: a death is survived
         elastic = ElasticWorker.join(
             launch_rank(), config.min_devices, config.max_restarts, config.timeout
         )
     bundle = load_data(config)
-    if config.elastic and joining():  # a replacement: ready once its data is loaded
+    if in_memory and joining():  # a replacement: ready once its data is loaded
         elastic = ElasticWorker.replace(launch_rank(), config.min_devices, config.timeout)
     engine = build_engine(config, bundle)
     arm_faults(engine, attempt)

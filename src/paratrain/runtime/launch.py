@@ -268,6 +268,16 @@ def _note_dead_workers(processes, results, failures, exited_without_result) -> N
             failures[rank] = f"worker process {rank} exited with code {code} without a result."
 
 
+def dead_ranks(error: WorkerError) -> list[int]:
+    """The ranks of ``error`` that failed themselves (died, or raised), not those whose
+    collective failed because another went away."""
+    return sorted(
+        rank
+        for rank, details in error.failures.items()
+        if not any(marker in details for marker in _COMM_ERROR_MARKERS)
+    )
+
+
 def _root_cause(failures: dict[int, str]) -> int:
     """Prefer the rank whose error is not just a peer noticing that another rank went away."""
     for rank in sorted(failures):
