@@ -8,7 +8,9 @@ timed from outside:
   survivors go on at 3, then 2, ... workers;
 - elastic, grow back: the same kills with ``--elastic --max-restarts <kills>``: the
   launcher starts a replacement per death, which joins at a step boundary once it has
-  loaded its data (``joined`` records), so the run ends at 4 workers again;
+  loaded its data (``joined`` records), so the run ends at 4 workers again; a hold two
+  steps after each kill (``grow_fault``) makes it join there, so its wall time includes
+  the survivors waiting out each replacement's start-up;
 - restarts: the same kills under ``--max-restarts`` with ``--checkpoint-every`` (the way
   through a death without ``--elastic``): each restart starts every worker again from the
   newest checkpoint (the k-th kill fires in the k-th attempt, so each kill happens once).
@@ -74,12 +76,22 @@ def kill_plan(steps: int, kills: int, seed: int) -> list[tuple[int, int]]:
     return list(zip(ranks, at, strict=True))
 
 
+def grow_fault(plan: list[tuple[int, int]], steps: int) -> str:
+    """The kills, and a hold two steps after each by a worker never killed: it waits for
+    the replacement to be ready, so each joins there (a run this short would otherwise
+    end before a replacement has started: at this load that takes longer than the steps
+    left), at the cost of the survivors waiting out its start-up."""
+    holder = min(set(range(DEVICES)) - {rank for rank, _ in plan})
+    holds = [f"hold:{holder}:{step + 2}" for _, step in plan if step + 2 <= steps]
+    return ",".join([f"kill:{rank}:{step}:forward" for rank, step in plan] + holds)
+
+
 def run(run_dir: Path, steps: int, fault: str, *flags: str) -> float:
     """One ``paratrain train`` process; returns its wall time."""
     command = [sys.executable, "-m", "paratrain", "train", "--no-progress", *MODEL]
     command += ["--strategy", "dp", "--devices", str(DEVICES), "--steps", str(steps)]
     command += ["--global-batch", str(GLOBAL_BATCH), "--log-every", "1", "--eval-every", "0"]
-    command += ["--sample-chars", "0", "--timeout", "60", "--run-dir", str(run_dir), *flags]
+    command += ["--sample-chars", "0", "--timeout", "120", "--run-dir", str(run_dir), *flags]
     env = {**os.environ, "PARATRAIN_FAULT": fault}
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -122,7 +134,7 @@ def main() -> None:
     elastic_fault = ",".join(f"kill:{rank}:{step}:forward" for rank, step in plan)
     elastic_s = run(root / "elastic", args.steps, elastic_fault, "--elastic")
     grow_flags = ("--elastic", "--max-restarts", str(args.kills))
-    grow_s = run(root / "grow", args.steps, elastic_fault, *grow_flags)
+    grow_s = run(root / "grow", args.steps, grow_fault(plan, args.steps), *grow_flags)
     # The k-th kill fires in attempt k (each restart runs until the next kill).
     restart_fault = ",".join(f"kill:{r}:{s}:forward:{k}" for k, (r, s) in enumerate(plan))
     flags = ["--max-restarts", str(args.kills), "--checkpoint-every", str(args.checkpoint_every)]

@@ -191,11 +191,11 @@ def hold_for_admission(elastic: ElasticWorker, wait_s: float) -> None:
     """A drill's ``hold``: wait until a replacement is ready to join (so that the test
     knows at which boundary it joins, whatever the machine's load)."""
     deadline = time.monotonic() + wait_s
-    while elastic.generation.joining and time.monotonic() < deadline:
-        if any(is_ready(elastic.store, r) for r in elastic.generation.joining):
-            return
+    coming = elastic.generation.joining  # none: every replacement has joined already
+    while coming and not any(is_ready(elastic.store, r) for r in coming):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no replacement was ready to join within {wait_s:.0f} s.")
         time.sleep(0.02)
-    raise RuntimeError(f"no replacement was ready to join within {wait_s:.0f} s.")
 
 
 def engine_state(engine, carried: dict[str, Any]) -> bytes:
