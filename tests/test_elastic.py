@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import torch.distributed as dist
@@ -33,7 +37,9 @@ from paratrain.runtime.elastic import (
     next_generation,
     read_post,
 )
+from tests.readme_examples import example_env
 from tests.test_parity_dp import relative_error
+from tests.test_torchrun import _free_port
 
 STEPS = 6
 GLOBAL_BATCH = 24  # splits evenly over 2, 3 and 4 workers
@@ -203,6 +209,46 @@ def test_zero2_goes_on_from_the_newest_checkpoint_at_the_survivors_count(
 
 
 @pytest.mark.slow
+def test_a_lost_torchrun_node_restarts_the_job_smaller_from_the_newest_checkpoint(
+    tmp_path, uninterrupted
+):
+    """Two torchrun "nodes" (one process each, c10d rendezvous on 127.0.0.1, --nnodes 1:2,
+    --max-restarts 1); node 1 is lost (agent and worker SIGKILLed) at the start of step 5.
+    The agent of node 0 restarts the job at one process, and paratrain resumes it from the
+    newest checkpoint (step 4) with no flag added; weights as the uninterrupted run's."""
+    port = str(_free_port())
+    run_dir = tmp_path / "torchrun"
+    flags = [*BASE[1:], "--run-dir", str(run_dir), "--checkpoint-every", "2"]
+    flags += ["--timeout", "300"]  # each node's group waits for the other's slow start
+
+    def node(host: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+            "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+            "--rdzv-conf", f"is_host={host},last_call_timeout=20,join_timeout=300",
+            "-m", "paratrain", "train", *flags,
+        ]  # fmt: skip
+
+    lost_env = {**example_env(), "PARATRAIN_FAULT": "node:0:5,node:1:5"}  # whichever rank
+    host = subprocess.Popen(node(1), env=example_env(), stdout=PIPE, stderr=PIPE, text=True)
+    lost = subprocess.Popen(node(0), env=lost_env, stdout=PIPE, stderr=PIPE, text=True)
+    try:
+        _, err = host.communicate(timeout=500)
+        lost.wait(timeout=60)
+    finally:
+        host.kill()
+        lost.kill()
+    assert host.returncode == 0, err[-4000:]
+    assert lost.returncode == -signal.SIGKILL
+    newest = run_dir / "checkpoints" / "step-00000004"
+    assert f"restart 1 by torchrun; resuming from the newest checkpoint, {newest}." in err
+    configs = records(run_dir, "config")
+    assert [(c["workers"], c["start_step"]) for c in configs] == [(2, 0), (1, 4)]
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
 def test_fewer_than_min_devices_ends_with_one_sentence_and_the_last_step_saved(
     tmp_path, monkeypatch, capsys
 ):
@@ -251,8 +297,8 @@ def test_faults_name_a_launch_rank_a_step_and_a_phase(monkeypatch):
     assert planned_faults(attempt=1) == []  # a restart runs clean
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:start:1")
     assert planned_faults(attempt=1) == [Fault("kill", 1, 3, "start")]
-    monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4")
-    assert planned_faults(attempt=0) == [Fault("hold", 1, 4, "start")]
+    monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4,node:1:5")
+    assert planned_faults(attempt=0) == [Fault("hold", 1, 4, "start"), Fault("node", 1, 5, "start")]
     monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4:forward")  # it waits before a step only
     with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
         planned_faults(attempt=0)
@@ -349,3 +395,21 @@ def test_elastic_on_gpu_workers_is_refused_until_it_has_run_there(monkeypatch):
     config = TrainConfig(strategy="dp", elastic=True, min_devices=2, global_batch=24)
     with pytest.raises(ConfigError, match="add --backend gloo"):
         elastic_checks.check_elastic(config, 4)
+
+
+def test_a_job_torchrun_restarted_resumes_from_its_run_folder(monkeypatch, tmp_path, capsys):
+    """Outside a restart nothing changes; a restart needs --run-dir (said in one sentence);
+    a folder with no checkpoint yet is started over (the resume itself: the slow test)."""
+    from paratrain.run.agent_restart import resume_after_agent_restart
+
+    given = config(run_dir=str(tmp_path / "run"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_after_agent_restart(given) == given
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match="pass --run-dir"):
+        resume_after_agent_restart(config())
+    (tmp_path / "run").mkdir()
+    again = resume_after_agent_restart(given)
+    assert again.overwrite and again.resume is None
+    assert "holds no checkpoint yet, so the job starts over there." in capsys.readouterr().err

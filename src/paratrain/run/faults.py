@@ -5,8 +5,10 @@ point of a chosen step.
 ``<kind>:<rank>:<step>[:<phase>[:<attempt>]]``:
 ``kill`` SIGKILLs the worker (as the out-of-memory killer would), ``crash`` raises in its
 step, ``hold`` (phase ``start`` only) waits before the step until a replacement worker is
-ready to join, so that a drill of growing back knows the boundary it joins at. ``rank``
-is the worker's launch rank (it keeps it when an elastic job renumbers the survivors).
+ready to join, so that a drill of growing back knows the boundary it joins at; ``node``
+(under torchrun) SIGKILLs the worker's agent (its parent) and then the worker: a lost node
+of one process. ``rank`` is the worker's launch rank (it keeps it when an elastic job
+renumbers the survivors).
 Phases, in the order a step meets them: ``start`` (before the step, the default),
 ``forward`` (the model's forward begins), ``backward`` (the first gradient is
 ready: the gradient of the last parameter), ``allreduce`` (the last gradient is ready: with
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from paratrain.runtime import comm
+from paratrain.runtime.external_job import in_external_job
 
 PHASES = ("start", "forward", "backward", "allreduce", "optimizer")
 
@@ -36,6 +39,11 @@ class Fault:
     phase: str
 
     def fire(self, hold: Callable[[], None] | None = None) -> None:
+        if self.kind == "node":  # a lost torchrun node: its agent (our parent), then us
+            if not in_external_job():
+                raise ValueError("a node fault is for torchrun jobs (it kills the agent).")
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "hold":
             if hold is None:
                 raise ValueError("a hold fault needs an --elastic run with --max-restarts.")
@@ -60,7 +68,7 @@ def planned_faults(attempt: int) -> list[Fault]:
         phase = rest[0] if rest else "start"
         bad_hold = kind == "hold" and phase != "start"
         if (
-            kind not in ("kill", "crash", "hold")
+            kind not in ("kill", "crash", "hold", "node")
             or phase not in PHASES
             or len(rest) > 2
             or bad_hold
