@@ -6,6 +6,11 @@ timed from outside:
 - fault-free: dp on 4 workers;
 - elastic: ``--elastic``, with worker kills (SIGKILL) at steps drawn with a fixed seed; the
   survivors go on at 3, then 2, ... workers;
+- elastic, grow back: the same kills with ``--elastic --max-restarts <kills>``: the
+  launcher starts a replacement per death, which joins at a step boundary once it has
+  loaded its data (``joined`` records), so the run ends at 4 workers again; a hold two
+  steps after each kill (``grow_fault``) makes it join there, so its wall time includes
+  the survivors waiting out each replacement's start-up;
 - restarts: the same kills under ``--max-restarts`` with ``--checkpoint-every`` (the way
   through a death without ``--elastic``): each restart starts every worker again from the
   newest checkpoint (the k-th kill fires in the k-th attempt, so each kill happens once).
@@ -20,9 +25,11 @@ final train loss, and the final weights against the fault-free run (largest per-
 relative difference; the bar is ``test_elastic.TOLERANCE``'s derivation at this run's
 steps and batch).
 
-Without grow-back a run can lose at most ``devices - min_devices`` workers, so the issue's
-5 kills in a 400-step run become 3 kills in a 60-step run here (checkpoints every 10 steps,
-the issue's 50 scaled to the run's length); ``--steps``/``--kills`` change them.
+The run without grow-back can lose at most ``devices - min_devices`` workers, so the
+issue's 5 kills in a 400-step run become 3 kills in a 60-step run here (checkpoints every
+10 steps, the issue's 50 scaled to the run's length); ``--steps``/``--kills`` change them.
+Seconds lost by a join are the survivors' stall at the boundary (the new group, the engine
+rebuilt, the state sent), not the replacement's start-up, which overlaps training.
 
     PYTHONPATH=src:. python benchmarks/bench_elastic.py [--steps 60] [--kills 3]
 """
@@ -69,12 +76,22 @@ def kill_plan(steps: int, kills: int, seed: int) -> list[tuple[int, int]]:
     return list(zip(ranks, at, strict=True))
 
 
+def grow_fault(plan: list[tuple[int, int]], steps: int) -> str:
+    """The kills, and a hold two steps after each by a worker never killed: it waits for
+    the replacement to be ready, so each joins there (a run this short would otherwise
+    end before a replacement has started: at this load that takes longer than the steps
+    left), at the cost of the survivors waiting out its start-up."""
+    holder = min(set(range(DEVICES)) - {rank for rank, _ in plan})
+    holds = [f"hold:{holder}:{step + 2}" for _, step in plan if step + 2 <= steps]
+    return ",".join([f"kill:{rank}:{step}:forward" for rank, step in plan] + holds)
+
+
 def run(run_dir: Path, steps: int, fault: str, *flags: str) -> float:
     """One ``paratrain train`` process; returns its wall time."""
     command = [sys.executable, "-m", "paratrain", "train", "--no-progress", *MODEL]
     command += ["--strategy", "dp", "--devices", str(DEVICES), "--steps", str(steps)]
     command += ["--global-batch", str(GLOBAL_BATCH), "--log-every", "1", "--eval-every", "0"]
-    command += ["--sample-chars", "0", "--timeout", "60", "--run-dir", str(run_dir), *flags]
+    command += ["--sample-chars", "0", "--timeout", "120", "--run-dir", str(run_dir), *flags]
     env = {**os.environ, "PARATRAIN_FAULT": fault}
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -116,13 +133,17 @@ def main() -> None:
     clean_s = run(root / "clean", args.steps, "")
     elastic_fault = ",".join(f"kill:{rank}:{step}:forward" for rank, step in plan)
     elastic_s = run(root / "elastic", args.steps, elastic_fault, "--elastic")
+    grow_flags = ("--elastic", "--max-restarts", str(args.kills))
+    grow_s = run(root / "grow", args.steps, grow_fault(plan, args.steps), *grow_flags)
     # The k-th kill fires in attempt k (each restart runs until the next kill).
     restart_fault = ",".join(f"kill:{r}:{s}:forward:{k}" for k, (r, s) in enumerate(plan))
     flags = ["--max-restarts", str(args.kills), "--checkpoint-every", str(args.checkpoint_every)]
     restart_s = run(root / "restart", args.steps, restart_fault, *flags)
     reference = load_model_state(root / "clean" / "final")
     elastic, restart = read(root / "elastic"), read(root / "restart")
+    grow = read(root / "grow")
     lost = [c["seconds_lost"] for c in elastic["changes"]]
+    grow_lost = [c["seconds_lost"] for c in grow["changes"]]
     bar = args.steps * GLOBAL_BATCH * 2.0**-24
     rows = [
         ("fault-free", clean_s, 0, "-", "-", read(root / "clean")["final_loss"], 0.0),
@@ -134,6 +155,15 @@ def main() -> None:
             f"{max(lost):.2f}",
             elastic["final_loss"],
             relative_error(load_model_state(root / "elastic" / "final"), reference),
+        ),
+        (
+            "elastic, grow back",
+            grow_s,
+            sum(c["steps_redone"] for c in grow["changes"]),
+            f"{statistics.median(grow_lost):.2f}",
+            f"{max(grow_lost):.2f}",
+            grow["final_loss"],
+            relative_error(load_model_state(root / "grow" / "final"), reference),
         ),
         (
             f"restarts (ckpt/{args.checkpoint_every})",
@@ -152,8 +182,9 @@ def main() -> None:
         print(f"{name:<22}{wall:>8.1f}{redone:>8}{median:>16}{most:>7}{loss:>12.5f}", end="")
         print(f"{error:>18.2e}")
     print(f"weights bar (steps x batch x 2^-24): {bar:.2e}")
-    for change in elastic["changes"]:
-        print({k: v for k, v in change.items() if k not in ("kind", "time_s")})
+    for name, changes in (("elastic", elastic["changes"]), ("grow back", grow["changes"])):
+        for change in changes:
+            print(name, {k: v for k, v in change.items() if k not in ("kind", "time_s")})
     print(f"run folders under {root}")
 
 

@@ -9,7 +9,12 @@ lead worker, and a kill that leaves fewer than ``--min-devices``.
 from __future__ import annotations
 
 import json
+import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import torch.distributed as dist
@@ -19,13 +24,22 @@ from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig
 from paratrain.run.elastic import Change
 from paratrain.run.elastic_checks import check_elastic
-from paratrain.run.faults import Fault, planned_faults
+from paratrain.run.faults import PHASES, Fault, planned_faults
 from paratrain.runtime.elastic import (
     ElasticReferee,
+    ElasticTerms,
+    Post,
+    admit,
+    await_admission,
     is_communication_error,
+    latest_generation,
     mark_elastic,
+    next_generation,
+    read_post,
 )
+from tests.readme_examples import example_env
 from tests.test_parity_dp import relative_error
+from tests.test_torchrun import _free_port
 
 STEPS = 6
 GLOBAL_BATCH = 24  # splits evenly over 2, 3 and 4 workers
@@ -123,6 +137,118 @@ def test_a_kill_in_the_optimizer_step_and_a_crash_of_the_lead(
 
 
 @pytest.mark.slow
+def test_a_replacement_joins_and_the_run_ends_at_four_workers(
+    tmp_path, monkeypatch, uninterrupted, capfd
+):
+    """Worker 1 dies in step 2; the launcher starts worker 4 (--max-restarts 1); worker 0
+    holds step 4 until worker 4 is ready, so it joins at the boundary after step 4."""
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:2:forward,hold:0:4")
+    run_dir = tmp_path / "grow"
+    flags = ("--devices", "4", "--elastic", "--min-devices", "2", "--max-restarts", "1")
+    assert train(run_dir, *flags) == 0
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [
+        (2, 4, 3),
+        (4, 3, 4),
+    ]
+    assert [(c["lost_ranks"], c["joined_ranks"]) for c in changes] == [([1], []), ([], [4])]
+    assert [c["steps_redone"] for c in changes] == [1, 0]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert len(records(run_dir, "memory")) == 4  # the memory records of the final group
+    out = capfd.readouterr()
+    assert (
+        "worker 4 joined after step 4; 4 workers go on (3 before) (no step redone"
+        in out.err + out.out
+    )
+    assert "mlp on synthetic, strategy dp, 4 -> 3 -> 4 worker(s)" in out.out
+    assert "  workers           4 at the start, 4 at the end; step 2: 4 -> 3 (lost 1;" in out.out
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_kill_at_a_random_point_loses_no_step(tmp_path, monkeypatch, uninterrupted, seed):
+    """The kill's phase, rank and step drawn from a seeded RNG (seed 0: allreduce, rank 3,
+    step 1; 1: forward, the lead, step 3; 2: start, the lead, step 1): wherever it lands,
+    3 workers go on and the final weights equal the uninterrupted run's."""
+    draw = random.Random(seed)
+    phase, rank, step = draw.choice(PHASES), draw.randrange(4), draw.randint(1, STEPS)
+    monkeypatch.setenv("PARATRAIN_FAULT", f"kill:{rank}:{step}:{phase}")
+    run_dir = tmp_path / f"seed{seed}"
+    assert train(run_dir, "--devices", "4", "--elastic", "--min-devices", "2") == 0
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["new_workers"], c["lost_ranks"]) for c in changes] == [(step, 3, [rank])]
+    # the optimizer phase comes after every all-reduce: the others had finished the step
+    assert changes[0]["steps_redone"] == (0 if phase == "optimizer" else 1)
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_zero2_goes_on_from_the_newest_checkpoint_at_the_survivors_count(
+    tmp_path, monkeypatch, uninterrupted, capfd
+):
+    """zero2 keeps each optimizer shard once: worker 1's death in step 5 takes its shard,
+    so the 3 survivors restart from step 4's checkpoint and compute step 5 again. Against
+    the dp run: the same derivation (only the order of the per-sample sums differs)."""
+    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:5:forward")
+    run_dir = tmp_path / "zero2"
+    flags = ("--strategy", "zero2", "--devices", "4", "--elastic", "--min-devices", "2")
+    assert train(run_dir, *flags, "--checkpoint-every", "2") == 0
+    out = capfd.readouterr()
+    assert (
+        "paratrain: worker 1 lost; zero2 keeps state that no survivor holds, so the 3 "
+        f"survivors restart from checkpoint {run_dir / 'checkpoints' / 'step-00000004'} (step 4)."
+    ) in out.err
+    assert "strategy zero2, 4 -> 3 worker(s)" in out.out
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [(5, 4, 3)]
+    assert [(c["lost_ranks"], c["steps_redone"]) for c in changes] == [([1], 1)]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_lost_torchrun_node_restarts_the_job_smaller_from_the_newest_checkpoint(
+    tmp_path, uninterrupted
+):
+    """Two torchrun "nodes" (one process each, c10d rendezvous on 127.0.0.1, --nnodes 1:2,
+    --max-restarts 1); node 1 is lost (agent and worker SIGKILLed) at the start of step 5.
+    The agent of node 0 restarts the job at one process, and paratrain resumes it from the
+    newest checkpoint (step 4) with no flag added; weights as the uninterrupted run's."""
+    port = str(_free_port())
+    run_dir = tmp_path / "torchrun"
+    flags = [*BASE[1:], "--run-dir", str(run_dir), "--checkpoint-every", "2"]
+    flags += ["--timeout", "300"]  # each node's group waits for the other's slow start
+
+    def node(host: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+            "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+            "--rdzv-conf", f"is_host={host},last_call_timeout=20,join_timeout=300",
+            "-m", "paratrain", "train", *flags,
+        ]  # fmt: skip
+
+    lost_env = {**example_env(), "PARATRAIN_FAULT": "node:0:5,node:1:5"}  # whichever rank
+    host = subprocess.Popen(node(1), env=example_env(), stdout=PIPE, stderr=PIPE, text=True)
+    lost = subprocess.Popen(node(0), env=lost_env, stdout=PIPE, stderr=PIPE, text=True)
+    try:
+        _, err = host.communicate(timeout=500)
+        lost.wait(timeout=60)
+    finally:
+        host.kill()
+        lost.kill()
+    assert host.returncode == 0, err[-4000:]
+    assert lost.returncode == -signal.SIGKILL
+    newest = run_dir / "checkpoints" / "step-00000004"
+    assert f"restart 1 by torchrun; resuming from the newest checkpoint, {newest}." in err
+    configs = records(run_dir, "config")
+    assert [(c["workers"], c["start_step"]) for c in configs] == [(2, 0), (1, 4)]
+    assert relative_error(load_model_state(run_dir / "final"), uninterrupted) <= TOLERANCE
+
+
+@pytest.mark.slow
 def test_fewer_than_min_devices_ends_with_one_sentence_and_the_last_step_saved(
     tmp_path, monkeypatch, capsys
 ):
@@ -142,8 +268,8 @@ def config(**changes) -> TrainConfig:
 @pytest.mark.parametrize(
     ("changes", "devices", "words"),
     [
-        ({"elastic": True, "strategy": "zero2"}, 4, "dp only: under zero2"),
-        ({"elastic": True, "strategy": "pipeline"}, 4, "dp only: under pipeline"),
+        ({"elastic": True, "strategy": "zero3"}, 4, "dp or zero2 only: under zero3"),
+        ({"elastic": True, "strategy": "pipeline"}, 4, "dp or zero2 only: under pipeline"),
         ({"elastic": True, "global_batch": 32, "min_devices": 2}, 4, "split evenly over 3"),
         ({"elastic": True, "min_devices": 5, "global_batch": 60}, 4, "between 1 and the 4"),
         ({"elastic": True, "precision": "fp16", "global_batch": 12}, 4, "loss scale"),
@@ -171,6 +297,11 @@ def test_faults_name_a_launch_rank_a_step_and_a_phase(monkeypatch):
     assert planned_faults(attempt=1) == []  # a restart runs clean
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:start:1")
     assert planned_faults(attempt=1) == [Fault("kill", 1, 3, "start")]
+    monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4,node:1:5")
+    assert planned_faults(attempt=0) == [Fault("hold", 1, 4, "start"), Fault("node", 1, 5, "start")]
+    monkeypatch.setenv("PARATRAIN_FAULT", "hold:1:4:forward")  # it waits before a step only
+    with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
+        planned_faults(attempt=0)
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:3:sideways")
     with pytest.raises(ValueError, match=r"kind:rank:step\[:phase\[:attempt\]\]"):
         planned_faults(attempt=0)
@@ -183,11 +314,18 @@ def test_a_change_of_worker_count_is_one_record_and_one_line():
         "old_workers": 4,
         "new_workers": 3,
         "lost_ranks": [2],
+        "joined_ranks": [],
         "seconds_lost": 1.234,
         "steps_redone": 1,
     }
     assert change.line() == (
         "paratrain: worker 2 lost in step 7; 3 of 4 workers go on (step 7 redone, 1.23 s lost)."
+    )
+    joined = Change(step=9, old=3, new=4, lost=(), seconds_lost=0.5, steps_redone=0, joined=(4,))
+    assert joined.record()["joined_ranks"] == [4]
+    assert joined.line() == (
+        "paratrain: worker 4 joined after step 9; 4 workers go on (3 before) "
+        "(no step redone, 0.50 s lost)."
     )
 
 
@@ -198,18 +336,46 @@ def test_the_referee_posts_each_generation_and_stops_below_the_minimum(capsys):
     lost: dict[int, str] = {}
     referee.settle(store, {1}, failures, lost)  # not elastic: a failure stays a failure
     assert failures and not lost
-    mark_elastic(store, 2)
+    mark_elastic(store, ElasticTerms(min_devices=2))
     referee.settle(store, {1}, failures, lost)
     assert not failures and set(lost) == {1}
-    assert json.loads(store.get("paratrain/elastic/members/1")) == [0, 2]
+    assert read_post(store, 1) == Post((0, 2))
     assert not referee.stopping
     failures = {0: "worker process 0 exited with code 1 without a result."}
     referee.settle(store, {0}, failures, lost)
-    assert json.loads(store.get("paratrain/elastic/members/2")) == [2]
+    assert read_post(store, 2) == Post((2,))
     assert referee.stopping
     err = capsys.readouterr().err
     assert "2 worker(s) remain; they go on." in err
     assert "1 worker(s) remain; fewer than the minimum 2 are left" in err
+
+
+def test_the_referee_replaces_the_dead_within_the_budget_and_the_group_admits_them():
+    """Two deaths, one replacement allowed: one worker is started (launch rank 4, after
+    every survivor), announced in the survivors' post; once the group has admitted it in
+    generation 2, a later shrink keeps it; one never admitted is stopped at the end."""
+    store = dist.HashStore()
+    started: list[int] = []
+    referee = ElasticReferee(world_size=4, spawn=started.append)
+    mark_elastic(store, ElasticTerms(min_devices=2, replacements=1))
+    lost: dict[int, str] = {}
+    referee.settle(store, {1}, {1: "killed."}, lost)
+    assert started == [4] and read_post(store, 1) == Post((0, 2, 3), joining=(4,))
+    assert latest_generation(store) == 1
+    number = next_generation(store)  # what the lead does at a boundary (run/elastic)
+    admit(store, number, Post((0, 2, 3, 4)), newcomers=[4])
+    assert await_admission(store, 4, timeout_s=1.0) == 2
+    referee.settle(store, {2}, {2: "killed."}, lost)
+    assert started == [4]  # the one replacement allowed is spent
+    assert read_post(store, 3) == Post((0, 3, 4))
+    assert referee.unneeded(store, finished={0, 3}) == set()
+
+    store = dist.HashStore()
+    referee = ElasticReferee(world_size=2, spawn=lambda rank: None)
+    mark_elastic(store, ElasticTerms(min_devices=1, replacements=1))
+    referee.settle(store, {1}, {1: "killed."}, {})
+    assert referee.unneeded(store, finished=set()) == set()  # the group still runs
+    assert referee.unneeded(store, finished={0}) == {2}  # it ended before 2 joined
 
 
 def test_only_a_failed_collective_is_a_peers_death():
@@ -229,3 +395,21 @@ def test_elastic_on_gpu_workers_is_refused_until_it_has_run_there(monkeypatch):
     config = TrainConfig(strategy="dp", elastic=True, min_devices=2, global_batch=24)
     with pytest.raises(ConfigError, match="add --backend gloo"):
         elastic_checks.check_elastic(config, 4)
+
+
+def test_a_job_torchrun_restarted_resumes_from_its_run_folder(monkeypatch, tmp_path, capsys):
+    """Outside a restart nothing changes; a restart needs --run-dir (said in one sentence);
+    a folder with no checkpoint yet is started over (the resume itself: the slow test)."""
+    from paratrain.run.agent_restart import resume_after_agent_restart
+
+    given = config(run_dir=str(tmp_path / "run"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_after_agent_restart(given) == given
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match="pass --run-dir"):
+        resume_after_agent_restart(config())
+    (tmp_path / "run").mkdir()
+    again = resume_after_agent_restart(given)
+    assert again.overwrite and again.resume is None
+    assert "holds no checkpoint yet, so the job starts over there." in capsys.readouterr().err

@@ -319,3 +319,43 @@ def test_an_attempt_recorded_before_its_start_step_is_marked_at_its_first_logged
     records = [config(), train(2, 2.0, 1.0), config(), train(3, 1.9, 0.5)]
     run = load_run(write_run(tmp_path / "old", records))
     assert [(a.step, a.time_s, a.restart) for a in run.attempts] == [(3, 1.0, False)]
+
+
+def test_an_elastic_runs_worker_changes_are_marked_counted_and_tabled(tmp_path):
+    """Two ``workers`` records (worker 1 lost in step 2, worker 4 joined after step 4):
+    a dotted line with its label on the loss and throughput panels, the counts in the
+    report's text and the comparison's workers column."""
+    pytest.importorskip("matplotlib")
+    from paratrain.reports.plot import PANEL_TITLES, WORKERS_GID, build_figure
+
+    lost = {"step": 2, "old_workers": 4, "new_workers": 3, "lost_ranks": [1]}
+    joined = {"step": 4, "old_workers": 3, "new_workers": 4, "joined_ranks": [4]}
+    records = [
+        {**config(), "workers": 4},
+        train(1, 2.0, 1.0, samples_per_s=0.0),
+        {"kind": "workers", "time_s": 2.5, **lost, "seconds_lost": 0.4, "steps_redone": 1},
+        train(3, 1.8, 3.0, samples_per_s=90.0),
+        {"kind": "workers", "time_s": 4.5, **joined, "seconds_lost": 0.2, "steps_redone": 0},
+        train(6, 1.6, 6.0, samples_per_s=100.0),
+    ]
+    run = load_run(write_run(tmp_path / "elastic", records))
+    figure, titles = build_figure([run])
+    axes = dict(zip(titles, figure.axes, strict=False))
+    for title, where in (
+        (PANEL_TITLES["loss_step"], [2, 4]),
+        (PANEL_TITLES["loss_time"], [2.5, 4.5]),
+        (PANEL_TITLES["throughput"], [2, 4]),
+    ):
+        marks = [line for line in axes[title].lines if line.get_gid() == WORKERS_GID]
+        assert [line.get_xdata()[0] for line in marks] == where
+        notes = [t.get_text() for t in axes[title].texts if t.get_gid() == WORKERS_GID]
+        assert notes == ["4->3 (-1)", "3->4 (+4)"]
+        labels = [text.get_text() for text in axes[title].get_legend().get_texts()]
+        assert labels[-1] == "worker count changes (elastic)"
+    assert (
+        "  workers             4 at the start, 4 at the end; step 2: 4 -> 3 (lost 1; 1 step(s) "
+        "redone, 0.40 s lost), step 4: 3 -> 4 (joined 4; 0 step(s) redone, 0.20 s lost)"
+    ) in summarize_run(run).splitlines()
+    row = compare_rows([run])[0]
+    assert row.workers == "4->3->4"
+    assert format_compare([row]).splitlines()[0].split()[:3] == ["run", "strategy", "workers"]

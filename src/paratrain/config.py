@@ -198,7 +198,11 @@ class RunSettings:
         metadata={"help": "run folder or checkpoint to continue from (default: a fresh run)"},
     )
     max_restarts: int = field(
-        default=0, metadata={"help": "restarts from the last checkpoint after a worker fails"}
+        default=0,
+        metadata={
+            "help": "restarts from the last checkpoint after a worker fails (with --elastic: "
+            "replacement workers that join the running job)"
+        },
     )
     elastic: bool = field(
         default=False,

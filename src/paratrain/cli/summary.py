@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from paratrain.parallel import strategy_class
 from paratrain.reports.metrics_file import format_bytes
+from paratrain.reports.worker_changes import counts_line, worker_counts
 
 
 def _per_worker(label: str, values: list) -> list[str]:
@@ -38,18 +39,25 @@ def _steps_run(result) -> str:
     return f"{result.preempted_at} of {result.steps} steps (stopped by SIGTERM)"
 
 
+def _workers(result) -> str:
+    """The worker count, or an elastic run's counts in turn (``4 -> 3 -> 4``)."""
+    return " -> ".join(map(str, worker_counts(result.devices, result.worker_changes)))
+
+
 def format_summary(result) -> str:
     """The closing summary a user reads after ``paratrain train``."""
     config = result.config
     lines = [
         f"paratrain train: {config.model} on {config.dataset}, strategy {config.strategy}, "
-        f"{result.devices} worker(s), {_steps_run(result)}"
+        f"{_workers(result)} worker(s), {_steps_run(result)}"
         + (f" ({config.epochs} epoch{'s' * (config.epochs > 1)})" if config.epochs else "")
         + f", global batch {config.global_batch}",
         f"  final train loss  {result.final_train_loss:.4f}",
     ]
     if result.resumed:
         lines.insert(1, f"  resumed {result.resumed}")
+    if result.worker_changes:
+        lines.insert(1, f"  workers           {counts_line(result.devices, result.worker_changes)}")
     if result.restarts:
         where = "its last checkpoint after a failed worker (--max-restarts)"
         lines.insert(1, f"  restarted {result.restarts} time(s) from {where}")

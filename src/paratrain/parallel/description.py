@@ -49,6 +49,12 @@ class Strategy:
     the whole model and optimizer state (see ``run/elastic``); elsewhere a dead worker
     takes state no other holds."""
 
+    elastic_from_checkpoint: ClassVar[bool] = False
+    """Whether ``--elastic`` may go on after a death by restarting the survivors from the
+    newest checkpoint at their own count (``run/elastic_fallback``): where the layout is
+    replicas only and the checkpoint loads at any count, but a dead worker takes state
+    no other holds."""
+
     default: ClassVar[bool] = False
     """Whether a run that names no strategy takes this one (exactly one strategy does)."""
 

@@ -3,7 +3,9 @@
 Final losses and samples/s are the runs' summary figures (what each console printed);
 "time to best" is the wall time, since the run's training started, at which the run
 logged its lowest eval loss (its lowest train loss where it never evaluated). The table
-says which loss each row used, since the two are not comparable with each other.
+says which loss each row used, since the two are not comparable with each other. The
+workers column is the last attempt's worker count, or an elastic run's counts in turn
+(``4->3->4``): a throughput is read against how many workers earned it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.reports.run_data import RunMetrics
+from paratrain.reports.worker_changes import worker_counts
 
 __all__ = ["CompareRow", "compare_rows", "format_compare"]
 
@@ -19,6 +22,7 @@ __all__ = ["CompareRow", "compare_rows", "format_compare"]
 class CompareRow:
     run: str
     strategy: str
+    workers: str
     final_train_loss: float | None
     final_eval_loss: float | None
     samples_per_s: float | None
@@ -38,6 +42,7 @@ def compare_rows(runs: list[RunMetrics]) -> list[CompareRow]:
             CompareRow(
                 run=run.name,
                 strategy=run.strategy,
+                workers=_workers(run),
                 final_train_loss=run.final_train_loss,
                 final_eval_loss=run.final_eval_loss,
                 samples_per_s=run.samples_per_s,
@@ -55,6 +60,7 @@ def format_compare(rows: list[CompareRow]) -> str:
     header = (
         "run",
         "strategy",
+        "workers",
         "final train",
         "final eval",
         "samples/s",
@@ -69,6 +75,7 @@ def format_compare(rows: list[CompareRow]) -> str:
             (
                 row.run,
                 row.strategy,
+                row.workers,
                 _number(row.final_train_loss, "{:.4f}"),
                 _number(row.final_eval_loss, "{:.4f}"),
                 _number(row.samples_per_s, "{:,.1f}"),
@@ -86,6 +93,12 @@ def format_compare(rows: list[CompareRow]) -> str:
         for line in table
     ]
     return "\n".join(lines)
+
+
+def _workers(run: RunMetrics) -> str:
+    if run.workers is None:
+        return "-"
+    return "->".join(map(str, worker_counts(run.workers, run.worker_changes)))
 
 
 def _number(value: float | int | None, pattern: str) -> str:

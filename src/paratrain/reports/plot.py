@@ -6,7 +6,9 @@ category, and for ps runs the staleness histogram of applied pushes and each wor
 pushes. Several runs share every axis, one colour per run, so dp against ps or fp32
 against bf16 read off one picture; a legend at the top names each run's colour. Where a
 run was resumed or restarted, a dash-dotted line in its colour marks where each later attempt
-took over (the ``config`` record each attempt writes says at which step).
+took over (the ``config`` record each attempt writes says at which step); where an elastic
+run's worker count changed, a dotted line in its colour, labelled ``4->3 (-1)``, marks the
+step (the ``workers`` records say where).
 
 Drawn on a bare ``Figure`` with the Agg canvas (no pyplot), so a caller's backend and open
 figures stay as they were.
@@ -18,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.reports.run_data import RunMetrics
+from paratrain.reports.worker_changes import change_label
 
-__all__ = ["ATTEMPT_GID", "PANEL_TITLES", "build_figure", "draw_runs"]
+__all__ = ["ATTEMPT_GID", "PANEL_TITLES", "WORKERS_GID", "build_figure", "draw_runs"]
 
 PANEL_TITLES = {
     "loss_step": "loss against step",
@@ -166,11 +169,12 @@ def _loss_lines(ax, runs: list[RunMetrics], colours: list, x: str) -> None:
                 markersize=3,
             )
     _mark_attempts(ax, runs, colours, x)
+    _mark_worker_changes(ax, runs, colours, x)
     ax.set_xlabel("step" if x == "step" else "wall time since training started (s)")
     ax.set_ylabel("loss")
     ax.grid(color="0.92")
     styles = [("-", None, "train"), ("--", "o", "eval")]
-    _style_legend(ax, runs, colours, styles + _attempt_styles(runs))
+    _style_legend(ax, runs, colours, styles + _attempt_styles(runs) + _change_styles(runs))
 
 
 _ATTEMPT_STYLE = "-."  # where an attempt after the first took over
@@ -190,6 +194,39 @@ def _mark_attempts(ax, runs: list[RunMetrics], colours: list, x: str) -> None:
                 linewidth=1.0,
                 gid=ATTEMPT_GID,
             )
+
+
+_WORKERS_STYLE = ":"
+WORKERS_GID = "worker-count-change"
+"""The ``gid`` of the lines marking an elastic run's changes of worker count."""
+
+
+def _mark_worker_changes(ax, runs: list[RunMetrics], colours: list, x: str) -> None:
+    """A dotted vertical line in the run's colour at each change of worker count (at its
+    step, or the wall time then), labelled with the counts and who left or joined."""
+    for run, colour in zip(runs, colours, strict=True):
+        for change in run.worker_changes:
+            where = change["step"] if x == "step" else change["time_s"]
+            ax.axvline(
+                where, color=colour, linestyle=_WORKERS_STYLE, linewidth=1.2, gid=WORKERS_GID
+            )
+            ax.annotate(
+                change_label(change),
+                xy=(where, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -10),
+                textcoords="offset points",
+                fontsize=7,
+                color=colour,
+                gid=WORKERS_GID,
+            )
+
+
+def _change_styles(runs: list[RunMetrics]) -> list:
+    """The legend entry for the worker-count lines, where any run has them."""
+    if not any(run.worker_changes for run in runs):
+        return []
+    return [(_WORKERS_STYLE, None, "worker count changes (elastic)")]
 
 
 def _attempt_styles(runs: list[RunMetrics]) -> list:
@@ -228,9 +265,10 @@ def _draw_throughput(ax, runs, colours) -> None:
         logged = [r for r in run.train if r.get("samples_per_s")]  # the first step: 0
         if logged:
             ax.plot([r["step"] for r in logged], [r["samples_per_s"] for r in logged], color=colour)
-        if run.samples_per_s is not None:
-            ax.axhline(run.samples_per_s, color=colour, linestyle=":")
+        if run.samples_per_s is not None:  # dashed: dotted marks a change of workers
+            ax.axhline(run.samples_per_s, color=colour, linestyle="--")
     _mark_attempts(ax, runs, colours, "step")
+    _mark_worker_changes(ax, runs, colours, "step")
     ax.set_xlabel("step")
     ax.set_ylabel("samples/s")
     ax.set_ylim(bottom=0)
@@ -240,8 +278,8 @@ def _draw_throughput(ax, runs, colours) -> None:
     whole = "whole run, all workers"
     if len(runs) == 1 and runs[0].samples_per_s is not None:
         whole += f": {runs[0].samples_per_s:,.0f}"
-    styles = [("-", None, f"running mean from the second step{share}"), (":", None, whole)]
-    _style_legend(ax, runs, colours, styles + _attempt_styles(runs))
+    styles = [("-", None, f"running mean from the second step{share}"), ("--", None, whole)]
+    _style_legend(ax, runs, colours, styles + _attempt_styles(runs) + _change_styles(runs))
 
 
 def _draw_accuracy(ax, runs, colours) -> None:

@@ -53,6 +53,10 @@ class RunMetrics:
     that was resumed or restarted."""
     attempts: list[AttemptStart] = field(default_factory=list)
     """Where each attempt after the first started (the plots mark them)."""
+    worker_changes: list[dict[str, Any]] = field(default_factory=list)
+    """The ``workers`` records (an elastic run's changes of worker count) since the last
+    resume (a restart, ``attempt`` 1 and up, keeps them: under ``--elastic`` zero2's
+    survivors restart), ``time_s`` made continuous like the curves' (the plots mark them)."""
 
     @property
     def name(self) -> str:
@@ -129,12 +133,15 @@ def load_run(run_dir: str | Path) -> RunMetrics:
     summary = None
     failures: list[str] = []
     attempts: list[AttemptStart] = []
+    changes: list[dict[str, Any]] = []
     unplaced: dict[str, Any] | None = None  # an attempt recorded without its start step
     offset = last = 0.0
     for record in records:
         kind = record["kind"]
         if kind == "config":
             attempt_memory = {}  # a new attempt: another layout may have other workers
+            if not record.get("attempt"):  # a resume starts the count afresh; a restart not
+                changes = []
             if record is not configs[0]:
                 offset = last  # a resumed attempt's clock starts at 0 again
                 unplaced = _attempt_start(record, offset, attempts)
@@ -145,6 +152,8 @@ def load_run(run_dir: str | Path) -> RunMetrics:
             if unplaced is not None:  # files before start_step: its first logged step
                 attempts.append(AttemptStart(int(record["step"]), offset, unplaced["restart"]))
                 unplaced = None
+        elif kind == "workers":
+            changes.append({**record, "time_s": offset + float(record.get("time_s", 0.0))})
         elif kind == "memory":
             attempt_memory[int(record["worker"])] = record
             memory = attempt_memory
@@ -164,6 +173,7 @@ def load_run(run_dir: str | Path) -> RunMetrics:
         failures=failures,
         layouts=[_layout(record) for record in configs],
         attempts=attempts,
+        worker_changes=changes,
     )
 
 

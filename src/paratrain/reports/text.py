@@ -11,6 +11,7 @@ from typing import Any
 
 from paratrain.parallel import strategy_class, strategy_names
 from paratrain.reports.run_data import RunMetrics
+from paratrain.reports.worker_changes import counts_line
 from paratrain.runtime.units import format_bytes
 
 __all__ = ["summarize_run"]
@@ -26,6 +27,8 @@ def summarize_run(run: RunMetrics) -> str:
     ]
     if len(run.layouts) > 1:  # resumed or restarted: the header is the last attempt's
         lines.append(f"  attempts            {' -> '.join(run.layouts)}")
+    if run.worker_changes and run.workers is not None:
+        lines.append(f"  workers             {counts_line(run.workers, run.worker_changes)}")
     if run.train:
         last = run.train[-1]
         lines.append(f"  steps logged        {len(run.train)} (last step {last['step']})")

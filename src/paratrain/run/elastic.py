@@ -11,6 +11,10 @@ checkpoint is read; at most the step in flight is redone.
 
 A worker whose own step raises (not a collective failing) prints its traceback and exits
 without a result: to the launcher that is one more death, and the others go on.
+
+Growing back is exact for the same reason: a replacement (``--max-restarts``) joins at a
+step boundary, receives the furthest member's state (model, optimizer, step count, both
+loaders' positions) and takes its share of the next global batch.
 """
 
 from __future__ import annotations
@@ -31,10 +35,19 @@ import torch.distributed as dist
 from paratrain.runtime import comm
 from paratrain.runtime.elastic import (
     ElasticShortfall,
+    ElasticTerms,
     Generation,
+    Post,
+    admit,
+    announce_ready,
+    await_admission,
     await_members,
+    elastic_terms,
     is_communication_error,
+    is_ready,
     mark_elastic,
+    next_generation,
+    read_post,
     reform,
     store_client,
 )
@@ -50,16 +63,34 @@ class ElasticWorker:
     timeout_s: float
     generation: Generation
     store: Any = field(repr=False)
+    late: bool = False
+    """Whether this worker joined a running job (it receives the state, see ``replace``)."""
 
     @classmethod
-    def join(cls, launch_rank: int, min_devices: int, timeout_s: float) -> ElasticWorker:
+    def join(
+        cls, launch_rank: int, min_devices: int, replacements: int, timeout_s: float
+    ) -> ElasticWorker:
         """Mark the job elastic on the launcher's store; generation 0 is everyone."""
         store = store_client(timeout_s)
-        mark_elastic(store, min_devices)
-        members = tuple(range(comm.world_size()))
         backend = dist.get_backend()
+        mark_elastic(store, ElasticTerms(min_devices, replacements, backend))
+        members = tuple(range(comm.world_size()))
         generation = Generation(0, members, min_devices)
         return cls(launch_rank, min_devices, backend, timeout_s, generation, store)
+
+    @classmethod
+    def replace(cls, launch_rank: int, min_devices: int, timeout_s: float) -> ElasticWorker:
+        """In a replacement: say it is ready, wait to be admitted (as long as the run may
+        take: ``timeout_s`` per step would not bound it, so it waits until the launcher
+        stops it), then form the group with the others."""
+        store = store_client(timeout_s)
+        terms = elastic_terms(store)
+        announce_ready(store, launch_rank)
+        number = await_admission(store, launch_rank, timeout_s=7 * 24 * 3600.0)
+        post = read_post(store, number)
+        generation = Generation(number, post.members, min_devices, post.joining)
+        reform(store, generation, launch_rank, terms.backend, timeout_s)
+        return cls(launch_rank, min_devices, terms.backend, timeout_s, generation, store, True)
 
 
 @dataclass(frozen=True)
@@ -72,6 +103,7 @@ class Change:
     lost: tuple[int, ...]
     seconds_lost: float
     steps_redone: int
+    joined: tuple[int, ...] = ()
 
     def record(self) -> dict[str, Any]:
         return {
@@ -79,22 +111,33 @@ class Change:
             "old_workers": self.old,
             "new_workers": self.new,
             "lost_ranks": list(self.lost),
+            "joined_ranks": list(self.joined),
             "seconds_lost": round(self.seconds_lost, 3),
             "steps_redone": self.steps_redone,
         }
 
     def line(self) -> str:
-        ranks = ", ".join(str(r) for r in self.lost)
         redone = f"step {self.step} redone" if self.steps_redone else "no step redone"
-        return (
-            f"paratrain: worker {ranks} lost in step {self.step}; {self.new} of {self.old} "
-            f"workers go on ({redone}, {self.seconds_lost:.2f} s lost)."
+        what = []
+        if self.lost:
+            what.append(f"worker {_ranks(self.lost)} lost in step {self.step}")
+        if self.joined:
+            what.append(f"worker {_ranks(self.joined)} joined after step {self.step}")
+        counts = (
+            f"{self.new} of {self.old} workers go on"
+            if self.new <= self.old
+            else f"{self.new} workers go on ({self.old} before)"
         )
+        return f"paratrain: {'; '.join(what)}; {counts} ({redone}, {self.seconds_lost:.2f} s lost)."
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ", ".join(str(r) for r in ranks)
 
 
 def attempt_step(body: Callable[[], Any], elastic: ElasticWorker) -> tuple[bool, Any]:
     """Run ``body`` (the step, its log, the stop vote); returns (True, its value), or
-    (False, the next generation's members) where a peer died during it. A collective that
+    (False, the next generation's ``Post``) where a peer died during it. A collective that
     failed with nobody dead is raised as it was; this worker's own error ends it (see the
     module docstring). The traceback is dropped before returning: it holds the engine,
     and through it the old group, whose sockets must close for the others to notice."""
@@ -103,10 +146,10 @@ def attempt_step(body: Callable[[], Any], elastic: ElasticWorker) -> tuple[bool,
     except Exception as error:  # noqa: BLE001 - sorted below: a peer's death or our own fault
         if not is_communication_error(error):
             _exit_as_lost()
-        members = await_members(elastic.store, elastic.generation.number + 1)
-        if members is None:
+        post = await_members(elastic.store, elastic.generation.number + 1)
+        if post is None:
             raise
-    return False, members
+    return False, post
 
 
 def _exit_as_lost() -> None:
@@ -117,21 +160,63 @@ def _exit_as_lost() -> None:
     os._exit(1)
 
 
-def engine_state(engine) -> bytes:
-    """What a replica carries across a change of group: model, optimizer, step count."""
+def admissions(elastic: ElasticWorker) -> Post | None:
+    """At a step boundary, while replacements are announced: whether any is ready, agreed
+    by the whole group (each member's look at the store, all-reduced: members may look at
+    different moments), and if so the generation that admits them (the lead posts it)."""
+    coming = elastic.generation.joining
+    if not coming:
+        return None
+    ready = torch.tensor([float(is_ready(elastic.store, r)) for r in coming])
+    dist.all_reduce(ready, op=dist.ReduceOp.MAX)
+    newcomers = [r for r, flag in zip(coming, ready.tolist(), strict=True) if flag]
+    if not newcomers:
+        return None
+    members = tuple(sorted({*elastic.generation.members, *newcomers}))
+    post = Post(members, tuple(r for r in coming if r not in newcomers))
+    number = elastic.generation.number + 1
+    if comm.rank() == 0:
+        taken = next_generation(elastic.store)
+        if taken != number:
+            raise RuntimeError(
+                f"generation {number} was taken while replacement(s) "
+                f"{_ranks(tuple(newcomers))} were being admitted (a worker died meanwhile)."
+            )
+        admit(elastic.store, number, post, newcomers)
+        return post
+    return await_members(elastic.store, number, wait_s=elastic.timeout_s)
+
+
+def hold_for_admission(elastic: ElasticWorker, wait_s: float) -> None:
+    """A drill's ``hold``: wait until a replacement is ready to join (so that the test
+    knows at which boundary it joins, whatever the machine's load)."""
+    deadline = time.monotonic() + wait_s
+    coming = elastic.generation.joining  # none: every replacement has joined already
+    while coming and not any(is_ready(elastic.store, r) for r in coming):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no replacement was ready to join within {wait_s:.0f} s.")
+        time.sleep(0.02)
+
+
+def engine_state(engine, carried: dict[str, Any]) -> bytes:
+    """What a member carries across a change of group: model, optimizer, step count, and
+    ``carried`` (where the loaders stand after that step, the run's start)."""
     buffer = io.BytesIO()
     state = {
         "model": engine.state_dict(),
         "optimizer": engine.optimizer.state_dict(),
         "steps": engine.steps_taken,
+        **carried,
     }
     torch.save(state, buffer)
     return buffer.getvalue()
 
 
-def regroup(elastic: ElasticWorker, members: list[int]) -> Generation:
+def regroup(elastic: ElasticWorker, post: Post) -> Generation:
     """Join the next generation's group (the caller dropped the old engine)."""
-    generation = Generation(elastic.generation.number + 1, tuple(members), elastic.min_devices)
+    generation = Generation(
+        elastic.generation.number + 1, post.members, elastic.min_devices, post.joining
+    )
     if elastic.launch_rank not in generation.members:
         raise RuntimeError(f"launch rank {elastic.launch_rank} was declared lost while alive.")
     reform(elastic.store, generation, elastic.launch_rank, elastic.backend, elastic.timeout_s)
@@ -139,26 +224,28 @@ def regroup(elastic: ElasticWorker, members: list[int]) -> Generation:
     return generation
 
 
-def take_furthest_state(engine, own: bytes) -> int:
-    """Load, on every survivor, the state of the lowest rank with the most steps taken
-    (sent as bytes; read with ``weights_only``); returns that step count."""
-    steps = torch.load(io.BytesIO(own), weights_only=True)["steps"]
+def take_furthest_state(engine, own: bytes | None) -> dict[str, Any]:
+    """Load, on every member, the state of the lowest rank with the most steps taken
+    (sent as bytes; read with ``weights_only``); returns it. A replacement has none
+    (``own`` None) and receives it."""
+    steps = torch.load(io.BytesIO(own), weights_only=True)["steps"] if own else -1
     most = torch.tensor([steps], dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     rank = comm.rank()
     source = torch.tensor([rank if steps == most.item() else comm.world_size()])
     dist.all_reduce(source, op=dist.ReduceOp.MIN)
-    size = torch.tensor([len(own)], dtype=torch.int64)
+    size = torch.tensor([len(own) if own else 0], dtype=torch.int64)
     dist.broadcast(size, src=int(source.item()))
-    payload = torch.frombuffer(bytearray(own), dtype=torch.uint8)
-    if rank != source.item():
+    if rank == source.item():
+        payload = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+    else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(payload, src=int(source.item()))
     state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
     engine.load_state_dict(state["model"])
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.steps_taken = state["steps"]
-    return state["steps"]
+    return state
 
 
 def shortfall_sentence(change: Change, minimum: int, saved: Path, steps: int) -> str:

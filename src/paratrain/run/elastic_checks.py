@@ -6,7 +6,8 @@ worker count the run may pass through. zero1-3 keep each optimizer shard once (z
 parameter too), the pipeline and tensor splits each layer or stage once, so a dead worker
 takes state with it that no survivor has; ps already goes on without a lost worker
 (asynchronously, without ``--elastic``). For those, ``--max-restarts`` with
-``--checkpoint-every`` is the way through a death.
+``--checkpoint-every`` is the way through a death; zero2 goes on under ``--elastic`` that
+way too, at the survivors' count (``run/elastic_fallback``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ def check_elastic(config: TrainConfig, devices: int) -> None:
             raise ConfigError("--min-devices applies to --elastic runs; add --elastic.")
         return
     elastic = [name for name in strategy_names() if strategy_class(name).elastic]
-    if config.strategy not in elastic:
+    fallback = [n for n in strategy_names() if strategy_class(n).elastic_from_checkpoint]
+    if config.strategy not in elastic + fallback:
         raise ConfigError(
-            f"--elastic works with strategy {' or '.join(elastic)} only: under "
+            f"--elastic works with strategy {' or '.join(elastic + fallback)} only: under "
             f"{config.strategy} a dead worker takes state no other worker holds; use "
             f"--strategy {elastic[0]}, or --max-restarts with --checkpoint-every to resume "
             "from the newest checkpoint."

@@ -4,9 +4,13 @@ point of a chosen step.
 ``PARATRAIN_FAULT`` holds comma-separated faults
 ``<kind>:<rank>:<step>[:<phase>[:<attempt>]]``:
 ``kill`` SIGKILLs the worker (as the out-of-memory killer would), ``crash`` raises in its
-step. ``rank`` is the worker's launch rank (it keeps it when an elastic job renumbers the
-survivors). Phases, in the order a step meets them: ``start`` (before the step, the
-default), ``forward`` (the model's forward begins), ``backward`` (the first gradient is
+step, ``hold`` (phase ``start`` only) waits before the step until a replacement worker is
+ready to join, so that a drill of growing back knows the boundary it joins at; ``node``
+(under torchrun) SIGKILLs the worker's agent (its parent) and then the worker: a lost node
+of one process. ``rank`` is the worker's launch rank (it keeps it when an elastic job
+renumbers the survivors).
+Phases, in the order a step meets them: ``start`` (before the step, the default),
+``forward`` (the model's forward begins), ``backward`` (the first gradient is
 ready: the gradient of the last parameter), ``allreduce`` (the last gradient is ready: with
 buckets smaller than the model, the earlier buckets' all-reduces are in flight), and
 ``optimizer`` (the optimizer is about to step: every all-reduce has completed). A fault
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paratrain.runtime import comm
+from paratrain.runtime.external_job import in_external_job
 
 PHASES = ("start", "forward", "backward", "allreduce", "optimizer")
 
@@ -32,7 +38,17 @@ class Fault:
     step: int
     phase: str
 
-    def fire(self) -> None:
+    def fire(self, hold: Callable[[], None] | None = None) -> None:
+        if self.kind == "node":  # a lost torchrun node: its agent (our parent), then us
+            if not in_external_job():
+                raise ValueError("a node fault is for torchrun jobs (it kills the agent).")
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hold":
+            if hold is None:
+                raise ValueError("a hold fault needs an --elastic run with --max-restarts.")
+            hold()
+            return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected crash at step {self.step} ({self.phase})")
@@ -50,7 +66,13 @@ def planned_faults(attempt: int) -> list[Fault]:
     for entry in filter(None, text.split(",")):
         kind, rank, step, *rest = entry.strip().split(":")
         phase = rest[0] if rest else "start"
-        if kind not in ("kill", "crash") or phase not in PHASES or len(rest) > 2:
+        bad_hold = kind == "hold" and phase != "start"
+        if (
+            kind not in ("kill", "crash", "hold", "node")
+            or phase not in PHASES
+            or len(rest) > 2
+            or bad_hold
+        ):
             raise ValueError(
                 f"PARATRAIN_FAULT entry {entry!r} is not kind:rank:step[:phase[:attempt]]."
             )
@@ -59,11 +81,12 @@ def planned_faults(attempt: int) -> list[Fault]:
     return faults
 
 
-def inject_fault(step: int, attempt: int) -> None:
-    """Fire this worker's ``start`` fault of ``step``, if any."""
+def inject_fault(step: int, attempt: int, hold: Callable[[], None] | None = None) -> None:
+    """Fire this worker's ``start`` fault of ``step``, if any (``hold`` waits for a
+    replacement, see the module docstring)."""
     for fault in planned_faults(attempt):
         if fault.phase == "start" and fault.step == step:
-            fault.fire()
+            fault.fire(hold)
 
 
 def arm_faults(engine, attempt: int) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from paratrain.config import TrainConfig
+from paratrain.run.agent_restart import resume_after_agent_restart
 from paratrain.run.build import model_options
 from paratrain.run.precision_notice import bf16_notice
 from paratrain.run.preflight import time_sharing_warning
@@ -28,6 +29,7 @@ __all__ = ["RunResult", "fit"]
 
 def fit(config: TrainConfig) -> RunResult:
     """Train as ``config`` says on local workers (or inside torchrun) and return the summary."""
+    config = resume_after_agent_restart(config)  # torchrun --max-restarts: go on from there
     run = prepare_run(config)
     config = run.config  # the planner's choice where the run asked for one
     if in_external_job():  # the group now, so that rank 0 alone decides the folder

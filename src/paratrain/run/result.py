@@ -14,6 +14,7 @@ from typing import Any
 from paratrain.config import TrainConfig
 from paratrain.parallel import strategy_class
 from paratrain.reports.metrics_file import append_records
+from paratrain.reports.run_data import load_run
 from paratrain.run.prepare import PreparedRun
 from paratrain.runtime.launch import LostWorker
 
@@ -53,6 +54,8 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
     plan: Any = None
     """The planner's choice and prediction where the run asked for ``--strategy auto``."""
+    worker_changes: list[dict[str, Any]] = field(default_factory=list)
+    """An elastic run's changes of worker count (its ``workers`` records), in order."""
 
 
 def collect_result(run: PreparedRun, run_dir: Path, reports: list[Any]) -> RunResult:
@@ -85,6 +88,7 @@ def collect_result(run: PreparedRun, run_dir: Path, reports: list[Any]) -> RunRe
         preempted_at=lead["preempted_at"],
         resumed=run.resumed,
         plan=run.plan,
+        worker_changes=load_run(run_dir).worker_changes if config.elastic else [],
     )
     if strategy_class(config.strategy).independent_workers:
         _independent_result(result, [r for r in reports if r["rank"] is not None], lost)

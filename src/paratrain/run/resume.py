@@ -21,7 +21,9 @@ from paratrain.checkpoints.locate import latest_checkpoint
 from paratrain.checkpoints.model_state import mismatch
 from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import GlobalBatchLoader
+from paratrain.parallel import strategy_class
 from paratrain.reports.metrics_file import MetricsWriter, read_metrics
+from paratrain.run.elastic_fallback import go_on_from_checkpoint
 from paratrain.runtime.launch import WorkerError
 
 
@@ -116,7 +118,13 @@ def launch_with_restarts(
                 timeout_s=config.timeout,
             )
         except WorkerError as error:
+            if config.elastic and not strategy_class(config.strategy).elastic:
+                devices, resume_from = go_on_from_checkpoint(config, error, run_dir, devices)
+                attempt += 1
+                continue
             if attempt >= config.max_restarts or error.terminated:  # SIGTERM: no restart
+                raise
+            if config.elastic:  # its restarts were replacement workers (runtime/elastic)
                 raise
             attempt += 1
             resume_from = latest_checkpoint(run_dir)

@@ -20,7 +20,7 @@ import paratrain
 from paratrain.config import TrainConfig, as_dict
 from paratrain.data import GlobalBatchLoader, batches
 from paratrain.models import build_model, loss_for
-from paratrain.parallel import Engine, StepStats
+from paratrain.parallel import Engine, StepStats, strategy_class
 from paratrain.parallel.metric_tally import Tally
 from paratrain.parallel.strategy import RecordsTimeline
 from paratrain.reports.metrics_file import MetricsWriter
@@ -30,8 +30,10 @@ from paratrain.run.console import console_line, epoch_fields, progress_bar
 from paratrain.run.elastic import (
     Change,
     ElasticWorker,
+    admissions,
     attempt_step,
     engine_state,
+    hold_for_admission,
     regroup,
     seconds_since,
     stop_short,
@@ -46,6 +48,7 @@ from paratrain.run.resume import checkpoint_metadata, prune
 from paratrain.runtime import comm
 from paratrain.runtime.device_oom import device_errors_told
 from paratrain.runtime.devices import peak_memory_bytes
+from paratrain.runtime.elastic import joining
 from paratrain.runtime.signals import TerminationNotice
 
 _TIMELINE_STEPS = 200  # the timeline file keeps the last this-many steps
@@ -103,7 +106,7 @@ def train_worker(
     preempted_at = None
     remaining = run.length.steps - run.first + 1
     for step, (inputs, targets) in enumerate(batches(run.train_loader, remaining), run.first):
-        inject_fault(step, attempt)
+        inject_fault(step, attempt, hold=lambda: hold_for_admission(run.elastic, 120.0))
         if run.elastic is None:
             stop = _step(run, step, inputs, targets, notice)
         else:
@@ -132,35 +135,56 @@ def _elastic_step(
     run: WorkerRun, step: int, inputs: Any, targets: Any, notice: Any, attempt: int
 ) -> bool:
     """``_step``, again over the survivors each time a peer dies in it, until some worker
-    has completed it (see ``run/elastic``)."""
+    has completed it; then, at the boundary, any replacement that is ready joins (see
+    ``run/elastic``)."""
+    clock = [time.perf_counter()]
+
+    def body() -> tuple[bool, Any]:
+        stop = _step(run, step, inputs, targets, notice)
+        clock[0] = time.perf_counter()
+        last = step == run.length.steps or stop  # nothing left for a newcomer to do
+        return stop, None if last else admissions(run.elastic)
+
     while True:
-        started = time.perf_counter()
-        done, value = attempt_step(lambda: _step(run, step, inputs, targets, notice), run.elastic)
+        done, value = attempt_step(body, run.elastic)
         if done:
-            return value
-        _shrink(run, value, step, started, attempt)
+            stop, post = value
+            if post is not None:
+                _regroup(run, post, step, clock[0], attempt)
+            return stop
+        _regroup(run, value, step, clock[0], attempt)
         if run.engine.steps_taken >= step:  # a survivor had finished it: nothing to redo
             return False
+        clock[0] = time.perf_counter()
 
 
-def _shrink(run: WorkerRun, members: list[int], step: int, started: float, attempt: int) -> None:
-    """Go on over ``members``: the old engine dropped (its group with it), a new group and
-    engine, the furthest survivor's state, the record; below the minimum, save and stop."""
+def _carried(run: WorkerRun, step: int) -> dict[str, Any]:
+    """What a member's state carries besides the engine's: where the loaders stand after
+    the steps it has taken (before this step's batch where it has not finished it), and
+    the run's start (a newcomer that becomes the lead stamps records from there)."""
+    finished = run.engine.steps_taken >= step
+    data = run.train_loader.state_dict() if finished else run.data_before
+    return {"data": data, "eval_data": run.eval_loader.state_dict(), "started": run.started}
+
+
+def _regroup(run: WorkerRun, post: Any, step: int, started: float, attempt: int) -> None:
+    """Go on over ``post.members``: the old engine dropped (its group with it), a new group
+    and engine, the furthest member's state, the record; below the minimum, save and stop."""
     old = run.elastic.generation.members
-    own = engine_state(run.engine)
+    own = engine_state(run.engine, _carried(run, step))
     run.train_tally.close()
     run.engine = run.train_tally = None  # the last references to the old group
-    generation = regroup(run.elastic, members)
+    generation = regroup(run.elastic, post)
     run.engine = build_engine(run.config, run.bundle)
     arm_faults(run.engine, attempt)
-    steps = take_furthest_state(run.engine, own)
+    steps = take_furthest_state(run.engine, own)["steps"]
     run.train_tally = run.engine.tally(run.metric)
-    lost = tuple(sorted(set(old) - set(members)))
-    change = Change(step, len(old), len(members), lost, seconds_since(started), int(steps < step))
+    lost = tuple(sorted(set(old) - set(post.members)))
+    joined = tuple(sorted(set(post.members) - set(old)))
+    redone = int(steps < step)
+    change = Change(step, len(old), len(post.members), lost, seconds_since(started), redone, joined)
     if run.lead and run.metrics is None:  # rank 0 died: its successor writes the records
-        mirror = TensorBoardMirror(run.run_dir) if run.config.tensorboard else None
-        path = Path(run.run_dir) / "metrics.jsonl"
-        run.metrics = MetricsWriter(path, mirror=mirror, start=run.started)
+        run.metrics = _metrics_writer(run.config, run.run_dir, run.started)
     if run.lead:
         console_line(change.line(), run.bar)
         run.metrics.write("workers", **change.record())
@@ -174,6 +198,11 @@ def _shrink(run: WorkerRun, members: list[int], step: int, started: float, attem
         if run.metrics:
             run.metrics.close()
         stop_short(change, run.elastic.min_devices, Path(saved), steps)
+
+
+def _metrics_writer(config: TrainConfig, run_dir: str, started: float) -> MetricsWriter:
+    mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
+    return MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror, start=started)
 
 
 def build_engine(config: TrainConfig, bundle: Any) -> Engine:
@@ -196,11 +225,17 @@ def setup(
 ) -> WorkerRun:
     """The engine, the loaders, the resumed state, the metrics file and the bar."""
     elastic = None
-    if config.elastic:  # marked before any step: a death from then on is survived
-        elastic = ElasticWorker.join(launch_rank(), config.min_devices, config.timeout)
+    in_memory = config.elastic and strategy_class(config.strategy).elastic  # else fallback
+    if in_memory and not joining():  # marked before any step: a death is survived
+        elastic = ElasticWorker.join(
+            launch_rank(), config.min_devices, config.max_restarts, config.timeout
+        )
     bundle = load_data(config)
+    if in_memory and joining():  # a replacement: ready once its data is loaded
+        elastic = ElasticWorker.replace(launch_rank(), config.min_devices, config.timeout)
     engine = build_engine(config, bundle)
     arm_faults(engine, attempt)
+    carried = take_furthest_state(engine, None) if elastic and elastic.late else None
     lead = comm.rank() == 0
     length = run_length(config, len(bundle.train))
     metric = metric_for(bundle.kind)
@@ -209,7 +244,11 @@ def setup(
     tail = "wrap" if eval_count is None else "drop"
     eval_loader = GlobalBatchLoader(bundle.val, config.global_batch, shuffle=False, tail=tail)
     first = 1
-    if resume_from:
+    if carried is not None:  # a replacement starts where the group stands
+        train_loader.load_state_dict(carried["data"])
+        eval_loader.load_state_dict(carried["eval_data"])
+        first = carried["steps"] + 1
+    elif resume_from:
         checkpoint = engine.load_checkpoint(resume_from)
         if "data" in checkpoint.metadata:  # an imported checkpoint starts the data afresh
             train_loader.load_state_dict(checkpoint.metadata["data"])
@@ -220,10 +259,9 @@ def setup(
             eval_loader.load_state_dict(saved_eval)
         first = engine.steps_taken + 1
     metrics = None
-    started = time.monotonic()
-    if lead:
-        mirror = TensorBoardMirror(run_dir) if config.tensorboard else None
-        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", mirror=mirror, start=started)
+    started = carried["started"] if carried else time.monotonic()
+    if lead and carried is None:
+        metrics = _metrics_writer(config, run_dir, started)
         metrics.write(
             "config",
             workers=comm.world_size(),

@@ -16,6 +16,15 @@ kill, without waiting for any timeout.
 
 Each generation's group lives under its own store prefix (``elastic/<generation>``), so a
 group formed after a death never reads a key the previous one wrote.
+
+Growing back: where the job allows replacements (``--max-restarts`` under ``--elastic``),
+the launcher starts a fresh worker for each one lost, under a new launch rank (it sorts
+after every survivor, so the lead never changes because of it, and a drill's faults for
+the dead rank do not fire in it). The replacement loads its data, then says it is ready;
+the launcher posts the next generation (survivors plus the ready replacements) and the
+survivors, who look for a post at every step boundary while a replacement is announced,
+form the new group there together with it. The launcher is the one author of
+generations, so a death and a join never claim the same number.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,8 +44,16 @@ import torch.distributed as dist
 from paratrain.runtime.hang import STORE_ENV
 
 ELASTIC_KEY = "paratrain/launch/elastic"
-"""Set by the workers of an elastic job: its minimum worker count."""
+"""Set by the workers of an elastic job: its terms (``ElasticTerms`` as JSON)."""
+JOINING_ENV = "PARATRAIN_ELASTIC_JOINING"
+"""Set in a replacement worker's environment: it joins a running job (no group of its own)."""
 _MEMBERS = "paratrain/elastic/members/{generation}"
+_COUNTER = "paratrain/elastic/generation"
+"""The newest generation's number: taken with ``store.add`` by whoever posts one (the
+launcher after a death, the lead when the group admits a replacement), so two posts never
+share a number."""
+_READY = "paratrain/elastic/ready/{rank}"
+_ADMITTED = "paratrain/elastic/admitted/{rank}"
 POST_WAIT_S = 5.0
 """How long a survivor whose collective failed waits for the launcher's post. The launcher
 notices an exit within 0.35 s (its poll and the grace it gives a last result); a crashing
@@ -48,34 +66,108 @@ class ElasticShortfall(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ElasticTerms:
+    """What the workers of an elastic job tell the launcher: the fewest workers it goes on
+    with, how many replacements it may start, and the group's backend (a replacement
+    forms its group with it)."""
+
+    min_devices: int
+    replacements: int = 0
+    backend: str = "gloo"
+
+
+@dataclass(frozen=True)
 class Generation:
-    """A group of survivors: its number, the launch ranks in it (in order), and the
-    minimum the job was started with."""
+    """A group of workers: its number, the launch ranks in it (in order), the minimum the
+    job was started with, and the replacements announced but not yet in it."""
 
     number: int
     members: tuple[int, ...]
     min_devices: int
+    joining: tuple[int, ...] = ()
 
     @property
     def short(self) -> bool:
         return len(self.members) < self.min_devices
 
 
-def mark_elastic(store: dist.Store, min_devices: int) -> None:
-    """Tell the launcher this job goes on when workers die, down to ``min_devices``."""
-    store.set(ELASTIC_KEY, str(min_devices))
+def mark_elastic(store: dist.Store, terms: ElasticTerms) -> None:
+    """Tell the launcher this job goes on when workers die, on ``terms``."""
+    store.set(ELASTIC_KEY, json.dumps(asdict(terms)))
 
 
-def elastic_minimum(store: dist.Store) -> int | None:
-    """The job's minimum worker count if its workers marked it elastic, else None."""
+def elastic_terms(store: dist.Store) -> ElasticTerms | None:
+    """The job's terms if its workers marked it elastic, else None."""
     if not store.check([ELASTIC_KEY]):
         return None
-    return int(store.get(ELASTIC_KEY).decode())
+    return ElasticTerms(**json.loads(store.get(ELASTIC_KEY).decode()))
 
 
-def post_members(store: dist.Store, generation: int, members: list[int]) -> None:
-    """In the launcher: the launch ranks that make up ``generation``."""
-    store.set(_MEMBERS.format(generation=generation), json.dumps(sorted(members)))
+@dataclass(frozen=True)
+class Post:
+    """A generation as the launcher posts it: its members and the replacements still
+    on their way."""
+
+    members: tuple[int, ...]
+    joining: tuple[int, ...] = ()
+
+
+def post_members(
+    store: dist.Store, generation: int, members: list[int], joining: list[int] = ()
+) -> None:
+    """In the launcher: the launch ranks that make up ``generation``, and those coming."""
+    post = {"members": sorted(members), "joining": sorted(joining)}
+    store.set(_MEMBERS.format(generation=generation), json.dumps(post))
+
+
+def next_generation(store: dist.Store) -> int:
+    """A number for a new generation, taken atomically."""
+    return store.add(_COUNTER, 1)
+
+
+def latest_generation(store: dist.Store) -> int:
+    """The newest generation's number (0: the job as started)."""
+    return store.add(_COUNTER, 0)
+
+
+def posted(store: dist.Store, generation: int) -> bool:
+    """Whether the launcher has posted ``generation`` (a quick look, no wait)."""
+    return store.check([_MEMBERS.format(generation=generation)])
+
+
+def read_post(store: dist.Store, generation: int) -> Post:
+    """``generation`` as posted (the caller knows it is there)."""
+    post = json.loads(store.get(_MEMBERS.format(generation=generation)).decode())
+    return Post(tuple(post["members"]), tuple(post["joining"]))
+
+
+def joining() -> bool:
+    """Whether this process is a replacement joining a running elastic job."""
+    return os.environ.get(JOINING_ENV) == "1"
+
+
+def announce_ready(store: dist.Store, launch_rank: int) -> None:
+    """In a replacement: its data is loaded, it can join at the next step boundary."""
+    store.set(_READY.format(rank=launch_rank), "1")
+
+
+def is_ready(store: dist.Store, launch_rank: int) -> bool:
+    return store.check([_READY.format(rank=launch_rank)])
+
+
+def admit(store: dist.Store, generation: int, post: Post, newcomers: list[int]) -> None:
+    """In the lead, at a step boundary the group agreed on: post ``generation`` and tell
+    each newcomer which one it joins."""
+    post_members(store, generation, list(post.members), list(post.joining))
+    for rank in newcomers:
+        store.set(_ADMITTED.format(rank=rank), str(generation))
+
+
+def await_admission(store: dist.Store, launch_rank: int, timeout_s: float) -> int:
+    """In a replacement: the generation the launcher admitted it to (blocks)."""
+    key = _ADMITTED.format(rank=launch_rank)
+    store.wait([key], timedelta(seconds=timeout_s))
+    return int(store.get(key).decode())
 
 
 def store_client(timeout_s: float) -> dist.TCPStore:
@@ -90,14 +182,13 @@ def is_communication_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in text for m in _COMM_ERROR_MARKERS)
 
 
-def await_members(store: dist.Store, generation: int, wait_s: float = POST_WAIT_S) -> list | None:
-    """The members the launcher posted for ``generation``, or None if it posted none within
+def await_members(store: dist.Store, generation: int, wait_s: float = POST_WAIT_S) -> Post | None:
+    """What the launcher posted for ``generation``, or None if it posted nothing within
     ``wait_s`` (then no worker died and the failure is real)."""
-    key = _MEMBERS.format(generation=generation)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if store.check([key]):
-            return json.loads(store.get(key).decode())
+        if posted(store, generation):
+            return read_post(store, generation)
         time.sleep(0.02)
     return None
 
@@ -164,33 +255,64 @@ class ElasticReferee:
 
     A worker that dies (killed, or exited without a result: an elastic worker whose own
     step raised exits that way, see ``run/elastic``) is moved from the failures to the
-    lost and the survivors are posted as the next generation. Once fewer than the minimum
-    are left the survivors save and stop with ``ElasticShortfall``, and any later death
-    is a failure as usual.
+    lost and the survivors are posted as the next generation; while the job's terms allow
+    replacements, ``spawn`` starts one per death under the next unused launch rank (the
+    group admits it at a step boundary, see ``admit``). Once fewer than the minimum are
+    left the survivors save and stop with ``ElasticShortfall``, and any later death is a
+    failure as usual.
     """
 
-    def __init__(self, world_size: int) -> None:
-        self.alive = set(range(world_size))
-        self.generation = 0
+    def __init__(self, world_size: int, spawn: Callable[[int], None] | None = None) -> None:
+        self.world_size = world_size
+        self.pending: set[int] = set()
+        """Replacements started and not yet in a posted generation."""
+        self.next_rank = world_size
+        self.replaced = 0
+        self.spawn = spawn
         self.stopping = False
 
     def settle(self, store: dist.Store, deaths: set[int], failures: dict, lost: dict) -> None:
-        minimum = elastic_minimum(store)
-        if minimum is None or self.stopping:
+        terms = elastic_terms(store)
+        if terms is None or self.stopping:
             return
         for rank in sorted(deaths):
             lost[rank] = failures.pop(rank)
-        self.alive -= deaths
-        self.generation += 1
-        self.stopping = len(self.alive) < minimum
-        post_members(store, self.generation, sorted(self.alive))
+        members = set(self.members(store))
+        self.pending -= members | deaths  # admitted since, or died before it joined
+        alive = members - deaths
+        self.stopping = len(alive) < terms.min_devices
+        for _ in deaths if not self.stopping and self.spawn else ():
+            if self.replaced >= terms.replacements:
+                break
+            self.pending.add(self.next_rank)
+            self.spawn(self.next_rank)
+            self.next_rank += 1
+            self.replaced += 1
+        if members & deaths:  # the group changed: the survivors wait for this post
+            post_members(store, next_generation(store), sorted(alive), sorted(self.pending))
+        self._say(deaths, lost, len(alive), terms.min_devices)
+
+    def members(self, store: dist.Store) -> tuple[int, ...]:
+        """The launch ranks of the newest posted generation (everyone before any post)."""
+        newest = latest_generation(store)
+        return read_post(store, newest).members if newest else tuple(range(self.world_size))
+
+    def unneeded(self, store: dist.Store, finished: set[int]) -> set[int]:
+        """Replacements never admitted, once every member has finished: the run ended
+        before they could join, and they are stopped rather than awaited."""
+        members = set(self.members(store))
+        self.pending -= members
+        return set(self.pending) if members <= finished else set()
+
+    def _say(self, deaths: set[int], lost: dict, alive: int, minimum: int) -> None:
         then = (
             f"fewer than the minimum {minimum} are left: they save the last completed step."
             if self.stopping
             else "they go on."
         )
+        coming = f" ({len(self.pending)} replacement(s) starting)" if self.pending else ""
         for rank in sorted(deaths):
             print(
-                f"paratrain: {lost[rank]} {len(self.alive)} worker(s) remain; {then}",
+                f"paratrain: {lost[rank]} {alive} worker(s) remain{coming}; {then}",
                 file=sys.stderr,
             )

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.runtime.devices import process_group_backend
-from paratrain.runtime.elastic import ElasticReferee
+from paratrain.runtime.elastic import JOINING_ENV, ElasticReferee
 from paratrain.runtime.external_job import (
     CHILD_FLAG,
     check_job_devices,
@@ -154,21 +154,29 @@ def launch(
     spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads)
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
-    processes = [
-        ctx.Process(
+
+    def process(rank: int, joining: bool = False):
+        return ctx.Process(
             target=_worker_main,
-            args=(rank, spec, fn, tuple(args), kwargs, results_queue),
+            args=(rank, spec, fn, tuple(args), kwargs, results_queue, joining),
             name=f"paratrain-worker-{rank}",
         )
-        for rank in range(devices)
-    ]
+
+    processes = [process(rank) for rank in range(devices)]
+
+    def spawn_replacement(rank: int) -> None:
+        """An elastic job's replacement worker (see ``runtime/elastic``), started now."""
+        processes.append(process(rank, joining=True))
+        with launcher_pid_exported():
+            processes[-1].start()
+
     try:
         with forwarding_termination(processes) as terminated:
             with launcher_pid_exported():  # each worker dies with this process (see there)
-                for process in processes:
-                    process.start()
+                for worker in processes:
+                    worker.start()
             try:
-                results = _collect(processes, results_queue, devices, store)
+                results = _collect(processes, results_queue, store, spawn_replacement)
             except WorkerError as error:
                 error.terminated = terminated[0]  # died of a forwarded SIGTERM, perhaps
                 raise
@@ -183,26 +191,29 @@ def launch(
         del store
 
 
-def _collect(processes: list, results_queue, world_size: int, store=None) -> list[Any]:
+def _collect(processes: list, results_queue, store=None, spawn=None) -> list[Any]:
     """Wait for every rank's result; on the first failure stop everyone and raise.
 
     In a job marked by ``tolerate_lost_workers``, a worker that died is recorded as lost
-    instead, and the others go on.
+    instead, and the others go on; in an elastic one the referee decides (and ``spawn``
+    adds replacements to ``processes``).
     """
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     lost: dict[int, str] = {}
     first_failure_at: float | None = None
     exited_without_result: dict[int, float] = {}
-    referee = ElasticReferee(world_size)
-    while len(results) + len(lost) < world_size:
+    referee = ElasticReferee(len(processes), spawn)
+    unneeded: set[int] = set()  # replacements the run ended without (see the referee)
+    while len(results) + len(lost) + len(unneeded) < len(processes):
         if first_failure_at is not None and time.monotonic() - first_failure_at > 1.0:
             break
         try:
             kind, rank, payload = results_queue.get(timeout=0.05)
         except queue_module.Empty:
             before = set(failures)
-            _note_dead_workers(processes, {**results, **lost}, failures, exited_without_result)
+            done = {**results, **lost, **dict.fromkeys(unneeded)}
+            _note_dead_workers(processes, done, failures, exited_without_result)
             deaths = set(failures) - before
             if deaths and store is not None and store.check([TOLERATE_LOST_WORKERS_KEY]):
                 for rank in sorted(deaths):
@@ -210,6 +221,10 @@ def _collect(processes: list, results_queue, world_size: int, store=None) -> lis
                     print(f"paratrain: {lost[rank]} The job goes on without it.", file=sys.stderr)
             elif deaths and store is not None:
                 referee.settle(store, deaths, failures, lost)
+            if results and referee.pending and store is not None:
+                for rank in referee.unneeded(store, set(results)):
+                    _stop_all([processes[rank]], grace_s=0.0)
+                    unneeded.add(rank)
             if failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
             continue
@@ -226,7 +241,11 @@ def _collect(processes: list, results_queue, world_size: int, store=None) -> lis
     if not results:
         rank = min(lost)
         raise WorkerError(rank, f"every worker was lost; the first: {lost[rank]}", failures=lost)
-    return [results[r] if r in results else LostWorker(r, lost[r]) for r in range(world_size)]
+    return [
+        results[r] if r in results else LostWorker(r, lost[r])
+        for r in range(len(processes))
+        if r not in unneeded
+    ]
 
 
 def _note_dead_workers(processes, results, failures, exited_without_result) -> None:
@@ -247,6 +266,16 @@ def _note_dead_workers(processes, results, failures, exited_without_result) -> N
             failures[rank] = f"worker process {rank} was killed by signal {name} (no traceback)."
         else:
             failures[rank] = f"worker process {rank} exited with code {code} without a result."
+
+
+def dead_ranks(error: WorkerError) -> list[int]:
+    """The ranks of ``error`` that failed themselves (died, or raised), not those whose
+    collective failed because another went away."""
+    return sorted(
+        rank
+        for rank, details in error.failures.items()
+        if not any(marker in details for marker in _COMM_ERROR_MARKERS)
+    )
 
 
 def _root_cause(failures: dict[int, str]) -> int:
@@ -279,7 +308,25 @@ def _join_all(processes: list, timeout_s: float) -> None:
         process.join(max(0.0, deadline - time.monotonic()))
 
 
-def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) -> None:
+def _join_group(rank: int, spec: _WorkerSpec) -> None:
+    timeout = timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(
+        spec.host, spec.store_port, spec.world_size, is_master=False, timeout=timeout
+    )
+    dist.init_process_group(
+        process_group_backend(spec.backend),
+        store=store,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timeout,
+    )
+
+
+def _worker_main(
+    rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue, joining: bool = False
+) -> None:
+    """One worker: its group (a replacement joining an elastic job forms its own later,
+    see ``runtime/elastic``), ``fn``, and its result or traceback on the queue."""
     ignore_interrupts()  # dying with the launcher was armed on import (parent_death)
     os.environ.update(
         {
@@ -290,23 +337,15 @@ def _worker_main(rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue) 
             "WORLD_SIZE": str(spec.world_size),
             "LOCAL_WORLD_SIZE": str(spec.world_size),
             "MASTER_ADDR": spec.host,
+            **({JOINING_ENV: "1"} if joining else {}),
         }
     )
     torch.set_num_threads(spec.threads)
     try:
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
-        timeout = timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore(
-            spec.host, spec.store_port, spec.world_size, is_master=False, timeout=timeout
-        )
-        dist.init_process_group(
-            process_group_backend(spec.backend),
-            store=store,
-            rank=rank,
-            world_size=spec.world_size,
-            timeout=timeout,
-        )
+        if not joining:
+            _join_group(rank, spec)
         value = fn(*args, **kwargs)
         # The work is done and its report must reach the launcher: a scheduler's SIGTERM
         # (or the launcher's forwarded copy) landing now would lose a run that finished

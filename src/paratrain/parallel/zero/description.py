@@ -77,6 +77,7 @@ class Zero2Strategy(_ReplicatedParametersStrategy):
     engine = Zero2Engine
     stage = 2
     advice_rank = 2
+    elastic_from_checkpoint = True  # tested (test_elastic); zero1 and zero3 not yet
 
     @classmethod
     def model_state_per_worker(
