@@ -12,12 +12,16 @@ ranking): one test holds the chosen plan's and the runner-up's within a wide fac
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import paratrain
-from paratrain.parallel.cost_model import Line, Prediction, ledger_at_peak
-from paratrain.parallel.pipeline.cost import in_flight
+from paratrain.parallel.cost_model import Line, MachineCosts, Prediction, Run, ledger_at_peak
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.pipeline import cost as pipeline_cost
+from paratrain.parallel.pipeline.cost import exposed_hops, in_flight
 from paratrain.planner import api, measure
 from paratrain.planner.api import candidates
 from paratrain.planner.choose import MARGIN, Candidate, NoPlanFits, rank
@@ -95,6 +99,45 @@ def test_schedules_hold_their_micro_batches():
     assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight("gpipe", 4, s, 8) for s in range(4)] == [8, 8, 8, 8]
     assert in_flight("1f1b", 4, 0, 2) == 2
+
+
+def test_a_pipeline_waits_idle_for_its_fill_and_drain_and_1f1b_for_its_steady_loop():
+    # gpipe: the first activation up and the last gradient down, whatever m
+    assert [exposed_hops("gpipe", 2, m) for m in (2, 8)] == [2.0, 2.0]
+    assert exposed_hops("gpipe", 4, 8) == 6.0
+    # 1f1b: 2 (stages - 1) hops per stages micro-batches, at least the fill and drain
+    assert [exposed_hops("1f1b", 2, m) for m in (1, 2, 4, 8)] == [2.0, 2.0, 4.0, 8.0]
+    assert [exposed_hops("1f1b", 4, m) for m in (2, 4, 8)] == [6.0, 6.0, 12.0]
+
+
+def test_each_exposed_hop_adds_one_message_to_a_waiting_worker_to_the_step():
+    costs = measure_model(
+        pw.model("mlp"),
+        pw.batch("mlp", 8),
+        loss_fn=pw.loss("mlp"),
+        optimizer=measure_optimizer(pw.adam),
+        tensor=1,
+    )
+    lines = {2: Line(1e-3, 1e-9)}
+    quiet = MachineCosts(cores=8, backend="gloo", all_reduce=lines, send=Line.zero())
+    slow = dataclasses.replace(quiet, send=Line(0.01, 0.0))  # 10 ms a hop, no bytes' cost
+    layout, run = Layout.over(2, stages=2), Run(devices=2, global_batch=8)
+    for schedule, hops in (("1f1b", 4), ("gpipe", 2)):
+        options = {"micro_batches": 4, "schedule": schedule}
+        fast, waiting = (
+            pipeline_cost.predict(costs, costs, m, run, options, layout=layout).step_s
+            for m in (quiet, slow)
+        )
+        # float sums of the same terms in the same order: equal to rounding
+        assert waiting - fast == pytest.approx(hops * 0.01, rel=1e-9), schedule
+
+
+def test_a_messages_line_never_falls_with_its_bytes():
+    from paratrain.planner.machine import SIZES, _rising
+
+    assert _rising(Line(1e-3, 1e-9)) == Line(1e-3, 1e-9)
+    small = Line(2e-3, -1e-10).at(SIZES[0])  # the large payload's fastest run came out lower
+    assert _rising(Line(2e-3, -1e-10)) == Line(small, 0.0)
 
 
 def test_a_line_is_fitted_through_two_sizes():
