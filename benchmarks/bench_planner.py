@@ -56,8 +56,14 @@ MODELS = {
         "options": {"vocab_size": 65, "block_size": 32, "n_layer": 4, "n_head": 4, "n_embd": 128},
     },
     "blocks": {"kind": "blocks", "options": {"width": 128, "hidden": 512, "depth": 4}},
+    "gpt2": {
+        "kind": "gpt2",
+        "options": {"vocab_size": 256, "n_positions": 32, "n_embd": 128, "n_layer": 2, "n_head": 4},
+    },
 }
-"""``blocks``: no reference model, the user's own residual blocks as an nn.Sequential."""
+"""``blocks``: no reference model, the user's own residual blocks as an nn.Sequential;
+``gpt2``: Hugging Face's ``GPT2LMHeadModel`` from a tiny config (no download, no dropout),
+a model that is no layer list, fed a dict batch and trained on its own next-token loss."""
 
 
 class Block(nn.Module):
@@ -75,6 +81,12 @@ def build(name: str, overrides: dict | None = None) -> nn.Module:
     spec = MODELS[name]
     options = {**spec["options"], **(overrides or {})}
     torch.manual_seed(0)
+    if spec["kind"] == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        config = GPT2Config(**options, **dropout, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
     if spec["kind"] == "blocks":
         width = options["width"]
         return nn.Sequential(
@@ -86,12 +98,20 @@ def build(name: str, overrides: dict | None = None) -> nn.Module:
 
 
 def loss(name: str):
+    if MODELS[name]["kind"] == "gpt2":
+        from paratrain.losses import causal_lm_cross_entropy
+
+        return causal_lm_cross_entropy
     return loss_for("gpt" if MODELS[name]["kind"] == "gpt" else "mlp")
 
 
 def batch(name: str, size: int, overrides: dict | None = None, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     options = {**MODELS[name]["options"], **(overrides or {})}
+    if MODELS[name]["kind"] == "gpt2":
+        shape = (size, options["n_positions"])
+        ids = torch.randint(0, options["vocab_size"], shape, generator=generator)
+        return {"input_ids": ids}, ids.clone()
     if MODELS[name]["kind"] == "gpt":
         shape = (size, options["block_size"])
         return (
@@ -179,6 +199,7 @@ SCENARIOS = [
     ("fits each worker", "mlp", {"hidden": 1024}, 2, 64, "128MiB"),
     ("fits only sharded", "gpt", {"n_embd": 256, "n_layer": 4}, 4, 16, "26MiB"),
     ("fits only split", "blocks", {"width": 512, "hidden": 2048, "depth": 2}, 4, 16, "40MiB"),
+    ("Hugging Face GPT-2", "gpt2", {}, 2, 16, "256MiB"),
 ]
 
 
