@@ -152,11 +152,12 @@ class _Hop:
 
     def __init__(self, payload: torch.Tensor, rank: int) -> None:
         self.payload, self.rank = payload, rank
+        self.inbox = torch.empty_like(payload)  # worker 0 receives while its send may run
         self.received: Any = None
 
     def post(self) -> None:
         if self.rank in (0, 1):
-            self.received = dist.irecv(self.payload, src=1 - self.rank)
+            self.received = dist.irecv(self.inbox, src=1 - self.rank)
 
     def run(self) -> None:
         if self.rank == 0:
@@ -164,7 +165,7 @@ class _Hop:
             self.received.wait()
         elif self.rank == 1:
             self.received.wait()
-            dist.isend(self.payload, dst=0).wait()
+            dist.isend(self.inbox, dst=0).wait()
 
 
 def _idle() -> None:
