@@ -251,7 +251,8 @@ class MachineCosts:
     all_reduce: dict[int, Line]
     """Group size -> seconds of one all-reduce as a line in its payload bytes."""
     send: Line
-    """Seconds of one point-to-point message as a line in its bytes."""
+    """Seconds of one point-to-point message to a worker waiting for it (woken by it), as
+    a line in its bytes."""
     reduce_scatter: dict[int, Line] = field(default_factory=dict)
     """Likewise for a reduce-scatter (payload: the whole buffer each member hands over)."""
     all_gather: dict[int, Line] = field(default_factory=dict)

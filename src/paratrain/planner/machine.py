@@ -32,8 +32,10 @@ from paratrain.runtime.devices import current_device
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
 REPEATS = 7
-FORMAT = 4
-"""4: collectives timed after each member's work, as a step calls them, the fastest of the
+FORMAT = 5
+"""5: a point-to-point message timed as half a round trip to a waiting worker (4: with
+the receiver busy until the message had arrived, which timed almost nothing); 4:
+collectives timed after each member's work, as a step calls them, the fastest of the
 repetitions kept (3: their median; 2: back to back)."""
 WORK_MATMULS = 32
 """Products of two 128 x 128 matrices each member computes before every timed collective
@@ -123,40 +125,68 @@ def measure_collectives() -> MachineCosts:
             lines[size] = Line.through(points[0], points[1])
     send_points = []
     for nbytes in SIZES:
-        link = _Link(torch.zeros(nbytes // 4, device=device), rank)
-        seconds = after_work(link.wait, work, member=rank < 2, post=link.post)
-        send_points.append((nbytes, _slowest(seconds)))
+        hop = _Hop(torch.zeros(nbytes // 4, device=device), rank)
+        seconds = after_work(hop.run, work if rank == 0 else _idle, member=rank < 2, post=hop.post)
+        send_points.append((nbytes, _from_first(seconds / 2)))
     dist.barrier()
     return MachineCosts(
         cores=cores(),
         backend=dist.get_backend(),
         all_reduce=kinds["all_reduce"],
-        send=Line.through(send_points[0], send_points[1]),
+        send=_rising(Line.through(send_points[0], send_points[1])),
         reduce_scatter=kinds["reduce_scatter"],
         all_gather=kinds["all_gather"],
     )
 
 
-class _Link:
-    """A message from worker 0 to worker 1 as the pipeline sends one: the receive posted
-    ahead (``post``, before the work), the send started when the work ends, both waited
-    for (``wait``). Blocking ``send``/``recv`` pairs took 2.4 ms each on 2 cores under
-    gloo, against 0.1 ms with the receive posted ahead, which is how the pipeline's
-    stages exchange activations and gradients (``pipeline/p2p.py``)."""
+class _Hop:
+    """A message to a worker that waits for it, and its reply: what a pipeline's fill and
+    drain wait for (a stage idle until its neighbour's activation or gradient arrives,
+    ``pipeline/cost``). Worker 0 works, then sends and waits for the reply; worker 1,
+    idle with its receive posted (``post``), sends the payload back as soon as it arrives.
+    Half the round trip is one message to a waiting worker, each wake-up included, timed
+    on worker 0's clock alone. Timed with the receiver still busy when the message
+    arrived (the probe before format 5), gloo's 4 KiB message took 0.12 ms on 2 cores at
+    load 3, and a round trip like this one 6 ms, at load 15: a 2-stage pipeline of the
+    default mlp was predicted at 3.0 ms per step and ran at 4.9-17 ms."""
 
     def __init__(self, payload: torch.Tensor, rank: int) -> None:
         self.payload, self.rank = payload, rank
+        self.inbox = torch.empty_like(payload)  # worker 0 receives while its send may run
         self.received: Any = None
 
     def post(self) -> None:
-        if self.rank == 1:
-            self.received = dist.irecv(self.payload, src=0)
+        if self.rank in (0, 1):
+            self.received = dist.irecv(self.inbox, src=1 - self.rank)
 
-    def wait(self) -> None:
+    def run(self) -> None:
         if self.rank == 0:
             dist.isend(self.payload, dst=1).wait()
+            self.received.wait()
         elif self.rank == 1:
             self.received.wait()
+            dist.isend(self.inbox, dst=0).wait()
+
+
+def _idle() -> None:
+    """The receiver's share of work before a hop: none (it waits for its neighbour)."""
+
+
+def _from_first(seconds: float) -> float:
+    """Worker 0's figure, on every worker (the others' include waiting for its work)."""
+    out = torch.tensor([seconds], dtype=torch.float64)
+    dist.broadcast(out, src=0)
+    return float(out[0])
+
+
+def _rising(line: Line) -> Line:
+    """A message line whose bytes cost nothing or more: the fastest of a few runs of a
+    large payload can come out under a small one's on a busy machine (each is a lower
+    bound), and a message cannot cost less for more bytes; a flat line then, at the
+    larger of the two figures."""
+    if line.slope >= 0:
+        return line
+    return Line(line.intercept + line.slope * SIZES[0], 0.0)
 
 
 def _collective(kind: str, nbytes: int, size: int, group, device: torch.device):

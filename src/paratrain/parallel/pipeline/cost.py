@@ -16,11 +16,12 @@ next stage, input gradients and the loss to the previous one), and the gradient 
 posted for the micro-batches in flight.
 
 A step is ``m + stages - 1`` slots of the slowest stage's micro-batch (the bubble), each
-with its sends, then the replicas' gradient all-reduce and the optimizer step, per
-accumulation round. Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of
-``stages - 1``; ZB-H1 idles ``stages - 1`` times ``F + B - W`` of the slowest stage, where
-B (the input's gradient) and W (the weights') each take half the backward, so the idle
-is about one forward per slot; ZB-H2's is read off its own lists replayed on that clock.
+with its sends' bytes, plus the messages a stage waits for idle (``exposed_hops``), then
+the replicas' gradient all-reduce and the optimizer step, per accumulation round.
+Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of ``stages - 1``; ZB-H1 idles
+``stages - 1`` times ``F + B - W`` of the slowest stage, where B (the input's gradient)
+and W (the weights') each take half the backward, so the idle is about one forward per
+slot; ZB-H2's is read off its own lists replayed on that clock.
 """
 
 from __future__ import annotations
@@ -97,6 +98,22 @@ def idle_slots(
     if schedule == "zb-h1":
         return (stages - 1) * forward_share  # F + B - W with B = W = backward / 2
     return (stages - 1) / chunks
+
+
+def exposed_hops(schedule: str, stages: int, micro_batches: int) -> float:
+    """Messages per round that a stage waits for idle, each a hop to a waiting worker
+    (``MachineCosts.send``, timed that way): the first activation's ``stages - 1`` hops
+    up (the fill) and the last gradient's ``stages - 1`` down (the drain). GPipe sends
+    every later one while its receiver still computes. 1F1B holds at most ``stages``
+    micro-batches on the first stage, so its steady state is a loop: the last stage's
+    backward of micro-batch i, its gradient down to the first stage, that stage's forward
+    of i + stages, its activation up: ``2 (stages - 1)`` hops per ``stages``
+    micro-batches. ZB-H1, ZB-H2 and interleaved 1F1B are counted as 1F1B (not yet held against
+    runs)."""
+    fill_and_drain = 2 * (stages - 1)
+    if schedule == "gpipe":
+        return float(fill_and_drain)
+    return fill_and_drain * max(1.0, micro_batches / stages)
 
 
 def stage_memory(
@@ -203,7 +220,7 @@ def predict(
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
     worst: dict[str, int] | None = None
-    slowest = busy = forward_share = 0.0
+    slowest = busy = forward_share = widest = 0.0
     largest_stage = 0
     for stage in range(stages):
         layers = _worker_layers(bounds, stage, stages)
@@ -220,6 +237,7 @@ def predict(
             0 if first else micro * sum(grads_in) + LOSS_BYTES
         )
         posted = held * sum(outs)
+        widest = max([widest, *outs])
         communication = sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0)
         steady = schedule != "gpipe" and micro > held
         memory = stage_memory(
@@ -229,7 +247,7 @@ def predict(
             worst = memory
         reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
         per_micro = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
-        per_micro += sum(machine.send.at(out) for out in outs)
+        per_micro += machine.send.slope * (sum(outs) + sum(grads_in))  # the bytes' copies
         if per_micro > slowest:
             slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro
         busy += per_micro
@@ -240,7 +258,8 @@ def predict(
     # m + stages - 1 slots of the slowest stage
     work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
     idle = idle_slots(schedule, stages, chunks, forward_share, micro_batches=micro)
-    compute = machine.compute_seconds(work, rounds * (micro + idle) * slowest + optimizer)
+    waits = exposed_hops(schedule, stages, micro) * machine.send.at(widest)
+    compute = machine.compute_seconds(work, rounds * ((micro + idle) * slowest + waits) + optimizer)
     params_largest = max(
         costs.param_bytes(_worker_layers(bounds, s, stages)) for s in range(stages)
     )
