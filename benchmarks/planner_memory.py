@@ -132,12 +132,6 @@ CONFIGS = [
     ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8}),
     ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "gpipe"}),
     ("gpt", "pipeline", 4, {"stages": 2, "tensor": 2, "micro_batches": 4, "recompute": True}),
-    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 2, "schedule": "zb-h1"}),
-    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "zb-h2"}),
-    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
-    ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "zb-h2"}),
-    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"}),
-    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
     ("blocks", "single", 1, {}),
     ("blocks", "dp", 2, {}),
     ("blocks", "dp", 2, {"recompute": True}),
@@ -150,6 +144,14 @@ CONFIGS = [
     ("gpt2", "zero3", 2, {}),
     ("llama", "dp", 2, {}),
     ("llama", "zero1", 2, {"precision": "bf16"}),
+    # the schedules issue 26 asks the planner to weigh (kept last: the rows above keep
+    # the indices docs/planner.md names)
+    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 2, "schedule": "zb-h1"}),
+    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "zb-h2"}),
+    ("gpt", "pipeline", 2, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
+    ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "zb-h2"}),
+    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"}),
+    ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
 ]
 """Every strategy but ``ps`` (never proposed), recompute on and off, bf16, the pipeline at
 2 and 4 stages under 1F1B and GPipe, ZB-H1, ZB-H2 and interleaved 1F1B at 2 stages, tp
