@@ -167,7 +167,7 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
                 for micro in (stages, 2 * stages, 4 * stages):
                     for (schedule, chunks), recompute in product(schedules, (False, True)):
                         if recompute and schedule in SPLIT_SCHEDULES:
-                            continue  # its layer-by-layer recompute is not held against the live count
+                            continue  # its per-layer recompute: not held against live memory
                         layout = {"stages": stages, "micro_batches": micro}
                         if schedule != "1f1b":
                             layout["schedule"] = schedule
