@@ -248,6 +248,9 @@ TWO_WORKERS = [
     ("gpt", "zero3", {}),
     ("gpt", "zero3", {"recompute": True}),
     ("mlp", "pipeline", {"stages": 2, "micro_batches": 4}),
+    # B keeps each layer's output gradient and the whole forward's graph until W
+    # (``pipeline/split_cost``): 697,036 B live, 560,820 predicted without them, 671,556 with
+    ("gpt", "pipeline", {"stages": 2, "micro_batches": 2, "schedule": "zb-h1"}),
 ]
 
 

@@ -49,10 +49,12 @@ from paratrain.parallel.pipeline.options import (
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
 from paratrain.parallel.pipeline.schedules import (
     SPLIT_SCHEDULES,
+    Action,
     build_schedule,
     max_in_flight,
     timed_bubble,
 )
+from paratrain.parallel.pipeline.split_cost import split_moments
 from paratrain.parallel.pipeline.structure import HEADER_BYTES
 from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
@@ -127,9 +129,11 @@ def stage_memory(
     replicas: int,
     recompute: bool,
     steady: bool,
+    split: tuple[float, ...] = (),
 ) -> dict[str, int]:
     """A stage's ledger at its peak with ``held`` micro-batches of ``one`` saved bytes
-    each, and what its live moments hold beyond it (``stage_moments``)."""
+    each, and what its live moments hold beyond it (``stage_moments``, and ``split``: a
+    split backward's, ``split_cost.split_moments``)."""
     params = costs.param_bytes(layers)
     memory = ledger_at_peak(
         parameters=params + costs.frozen_bytes(layers),
@@ -151,7 +155,7 @@ def stage_memory(
         recompute,
         steady=steady,
     )
-    return with_transient(memory, moments=moments, lag=collective_lag(costs, samples))
+    return with_transient(memory, moments=moments + split, lag=collective_lag(costs, samples))
 
 
 def stage_moments(
@@ -219,6 +223,7 @@ def predict(
     rounds = run.gradient_accumulation
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
+    actions = build_schedule(schedule, stages, micro, chunks)
     worst: dict[str, int] | None = None
     slowest = busy = forward_share = widest = 0.0
     largest_stage = 0
@@ -233,15 +238,19 @@ def predict(
             one = costs.saved(samples, layers, batch_samples=run.global_batch)
         first, last = stage == 0, stage == stages - 1
         outs, grads_in = _boundary_bytes(costs, bounds[stage::stages], samples, first, last)
-        sends = (micro * sum(outs) + HEADER_BYTES * len(outs)) + (
-            0 if first else micro * sum(grads_in) + LOSS_BYTES
-        )
-        posted = held * sum(outs)
+        communication = _link_bytes(outs, grads_in, micro, held, first=first)
+        communication += EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0
         widest = max([widest, *outs])
-        communication = sends + posted + (EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0)
         steady = schedule != "gpipe" and micro > held
+        live = (
+            _split_live(
+                costs, samples, layers, actions[stage], one, communication, replicas, recompute
+            )
+            if split
+            else ()
+        )
         memory = stage_memory(
-            costs, run, samples, layers, held, one, communication, replicas, recompute, steady
+            costs, run, samples, layers, held, one, communication, replicas, recompute, steady, live
         )
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
@@ -276,6 +285,44 @@ def predict(
         machine=machine,
         notes=(f"bubble {idle / (micro + idle):.0%}",),
     )
+
+
+def _split_live(
+    costs: ModelCosts,
+    samples: float,
+    layers: list[int],
+    actions: list[Action],
+    one: float,
+    communication: float,
+    replicas: int,
+    recompute: bool,
+) -> tuple[float, ...]:
+    """A split backward's live moments on this stage (``split_cost.split_moments``)."""
+    params = costs.param_bytes(layers)
+    base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
+    return split_moments(
+        costs,
+        samples,
+        layers,
+        actions,
+        base=base,
+        one=one,
+        grads_kept=replicas > 1,
+        recompute=recompute,
+    )
+
+
+def _link_bytes(
+    outs: list[float], grads_in: list[float], micro: int, held: float, *, first: bool
+) -> float:
+    """A stage's point-to-point buffers at their most: the round's sends until the flush
+    (activations and a header per chunk that sends on, input gradients per chunk that has
+    a previous one, the first stage's later chunks' too under interleaving, and the loss),
+    the gradient receives posted for the micro-batches in flight, and a header receive per
+    chunk that has a previous one (posted at the round's start)."""
+    sends = micro * sum(outs) + HEADER_BYTES * len(outs) + micro * sum(grads_in)
+    sends += 0 if first else LOSS_BYTES
+    return sends + held * sum(outs) + HEADER_BYTES * len(grads_in)
 
 
 def _boundary_bytes(

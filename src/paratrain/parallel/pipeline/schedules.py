@@ -52,6 +52,7 @@ __all__ = [
     "one_f_one_b",
     "simulate",
     "simulated_bubble",
+    "split_occupancy",
     "splits_backward",
     "timed_bubble",
     "zb_h1",
@@ -498,3 +499,23 @@ def max_in_flight(schedule: Schedule) -> list[int]:
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def split_occupancy(actions: list[Action]) -> list[tuple[str, int, int]]:
+    """One stage's split backward, read off its actions: at each B and W, how many
+    micro-batches hold their activations (forward run, W not yet; this one included) and
+    how many hold the output gradients B keeps for W (B run, W not yet; this one included
+    at its W, not at its B, which is still making them). The peaks of a split backward
+    are at these actions (``pipeline/cost.split_moments``)."""
+    held = kept = 0
+    found = []
+    for action in actions:
+        if action.kind == "F":
+            held += 1
+        elif action.kind == "B":
+            found.append(("B", held, kept))
+            kept += 1
+        else:
+            found.append(("W", held, kept))
+            held, kept = held - 1, kept - 1
+    return found
