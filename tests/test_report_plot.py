@@ -142,6 +142,7 @@ def test_comparing_runs_prints_a_table_from_the_metrics_and_overlays_them(runs, 
         assert cells == [
             name,
             name,
+            "2",  # --devices 2, none lost
             f"{summary['final_train_loss']:.4f}",
             f"{summary['final_eval_loss']:.4f}",
             f"{summary['samples_per_s']:,.1f}",
