@@ -18,9 +18,10 @@ timed from outside:
 Measured: steps redone (steps computed more than once: elastic, each ``workers`` record's
 ``steps_redone``, the step in flight or none; restarts, the train records of a step already
 logged, every step being logged, plus the step in flight at each kill, never logged),
-seconds lost per fault (elastic: each ``workers`` record's ``seconds_lost``, from the start
-of the interrupted step to the new group's engine holding the state; restarts: the run's
-extra wall time over the fault-free run, per fault, which also counts the relaunch), the
+seconds lost per fault, median and max (elastic: each death's ``workers`` record's
+``seconds_lost``, from the start of the interrupted step to the new group's engine holding
+the state; each join's, from the boundary, apart; restarts: the run's extra wall time over
+the fault-free run, per fault, which also counts the relaunch), the
 final train loss, and the final weights against the fault-free run (largest per-tensor
 relative difference; the bar is ``test_elastic.TOLERANCE``'s derivation at this run's
 steps and batch).
@@ -144,14 +145,24 @@ def relative_error(state: dict, reference: dict) -> float:
     )
 
 
+def spread(values: list[float]) -> tuple[str, str]:
+    """Median and max, or dashes where there are none."""
+    if not values:
+        return ("-", "-")
+    return (f"{statistics.median(values):.2f}", f"{max(values):.2f}")
+
+
 def elastic_row(name: str, wall_s: float, run_dir: Path, reference: dict) -> tuple:
-    """An elastic run's row: the steps redone and seconds lost of its ``workers`` records."""
+    """An elastic run's row from its ``workers`` records: the steps redone, and the
+    seconds lost apart for deaths (the fault itself) and joins (the boundary a
+    replacement costs the survivors), which are different costs."""
     got = read(run_dir)
-    lost = [c["seconds_lost"] for c in got["changes"]]
+    deaths = [c["seconds_lost"] for c in got["changes"] if c["lost_ranks"]]
+    joins = [c["seconds_lost"] for c in got["changes"] if c["joined_ranks"]]
     final = load_model_state(run_dir / "final")
     redone = sum(c["steps_redone"] for c in got["changes"])
-    median, most = f"{statistics.median(lost):.2f}", f"{max(lost):.2f}"
-    return (name, wall_s, redone, median, most, got["final_loss"], relative_error(final, reference))
+    error = relative_error(final, reference)
+    return (name, wall_s, redone, *spread(deaths), *spread(joins), got["final_loss"], error)
 
 
 def parse() -> argparse.Namespace:
@@ -176,7 +187,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
     clean_s = run(root / "clean", args.steps, "")
     reference = load_model_state(root / "clean" / "final")
-    rows = [("fault-free", clean_s, 0, "-", "-", read(root / "clean")["final_loss"], 0.0)]
+    rows = [("fault-free", clean_s, 0, "-", "-", "-", "-", read(root / "clean")["final_loss"], 0.0)]
     if args.kills < DEVICES:  # without replacements, one worker must remain
         elastic_fault = ",".join(f"kill:{rank}:{step}:forward" for rank, step in plan)
         elastic_s = run(root / "elastic", args.steps, elastic_fault, "--elastic")
@@ -198,6 +209,8 @@ def main() -> None:
             restart["steps_redone"] + args.kills,
             f"{(restart_s - clean_s) / args.kills:.2f} (mean)",
             "-",
+            "-",
+            "-",
             restart["final_loss"],
             relative_error(load_model_state(root / "restart" / "final"), reference),
         )
@@ -206,11 +219,12 @@ def main() -> None:
 
 
 def report(rows: list[tuple], steps: int, root: Path) -> None:
-    print(f"{'run':<22}{'wall s':>8}{'redone':>8}{'lost/fault s':>16}{'max':>7}", end="")
-    print(f"{'final loss':>12}{'weights vs clean':>18}")
-    for name, wall, redone, median, most, loss, error in rows:
-        print(f"{name:<22}{wall:>8.1f}{redone:>8}{median:>16}{most:>7}{loss:>12.5f}", end="")
-        print(f"{error:>18.2e}")
+    """The table: seconds lost per death (median, max) and per join, apart."""
+    print(f"{'run':<22}{'wall s':>8}{'redone':>8}{'lost/death s':>14}{'max':>7}", end="")
+    print(f"{'lost/join s':>13}{'max':>7}{'final loss':>12}{'weights vs clean':>18}")
+    for name, wall, redone, death, most, join, join_most, loss, error in rows:
+        print(f"{name:<22}{wall:>8.1f}{redone:>8}{death:>14}{most:>7}", end="")
+        print(f"{join:>13}{join_most:>7}{loss:>12.5f}{error:>18.2e}")
     print(f"weights bar (steps x batch x 2^-24): {steps * GLOBAL_BATCH * 2.0**-24:.2e}")
     for name in ("elastic", "grow"):
         if (root / name).exists():
