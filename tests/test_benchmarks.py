@@ -157,3 +157,36 @@ def test_async_sim_prints_dp_and_every_variant(monkeypatch, capsys):
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["dp", *bench.VARIANTS]
     losses = [float(row.split("|")[2]) for row in rows[1:]]
     assert all(0.0 < loss < 10.0 for loss in losses)
+
+
+def test_bench_elastic_plans_kills_every_worker_alive_to_take(monkeypatch):
+    # Pure planning (no process starts): the kills of the default 400-step, 5-kill run.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_elastic")
+    steps, kills = 400, 5
+    plan = bench.kill_plan(steps, kills, seed=3)
+    assert plan == bench.kill_plan(steps, kills, seed=3)  # the seed fixes the plan
+    at = [step for _, step in plan]
+    assert len(plan) == kills and 3 <= at[0] and at[-1] <= steps - 2
+    assert all(b - a >= 3 for a, b in zip(at, at[1:], strict=False))
+    assert bench.HOLDER not in {slot for slot, _ in plan}
+    faults = bench.grow_fault(plan, steps).split(",")
+    killed = [int(f.split(":")[1]) for f in faults if f.startswith("kill:")]
+    assert len(set(killed)) == kills  # a launch rank dies once: later kills hit replacements
+    for k, rank in enumerate(killed):  # replacement j (rank DEVICES + j) exists by kill j + 1
+        assert rank < bench.DEVICES or rank - bench.DEVICES < k
+    holds = [f for f in faults if f.startswith("hold:")]
+    assert holds == [f"hold:{bench.HOLDER}:{step + 2}" for step in at]
+
+
+def test_bench_elastic_quick_is_the_60_step_shape_the_shrinking_run_can_take(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_elastic")
+    monkeypatch.setattr("sys.argv", ["bench_elastic.py", "--quick"])
+    args = bench.parse()
+    assert (args.steps, args.kills, args.checkpoint_every) == (60, 3, 10)
+    plan = bench.kill_plan(args.steps, args.kills, args.seed)
+    assert len({slot for slot, _ in plan}) == args.kills  # distinct: 4 -> 3 -> 2 -> 1
+    monkeypatch.setattr("sys.argv", ["bench_elastic.py"])
+    args = bench.parse()
+    assert (args.steps, args.kills, args.checkpoint_every) == (400, 5, 50)
