@@ -161,6 +161,12 @@ class ModelCosts:
     """Bytes of the targets the loss saves, likewise."""
     loss_saved: Line = field(default_factory=Line.zero)
     """Bytes the loss saves of its own (log-probabilities), in the micro-batch's samples."""
+    pass_s: float = 0.0
+    """Seconds of the fixed work of one pass called on its own (a forward, or a backward
+    from its output's gradient), whatever its layers hold: measured on a one-element pass
+    (``measure._pass_seconds``). The whole model's one forward and backward pays it twice,
+    held in the layers' lines (scaled to add up to the whole model); a pipeline stage pays
+    it on each of its passes of each micro-batch (``pipeline/cost.pass_overhead``)."""
     modules: tuple[tuple[str, str, int, bool], ...] = ()
     """Every module as (its ``named_modules`` path, its class name, the bytes of the
     trainable parameters it holds itself, a tied one at its first holder, whether it has a
@@ -253,6 +259,10 @@ class MachineCosts:
     send: Line
     """Seconds of one point-to-point message to a worker waiting for it (woken by it), as
     a line in its bytes."""
+    post: Line = field(default_factory=Line.zero)
+    """Seconds a worker spends in one call that posts a point-to-point send or receive
+    (gloo's ``isend``/``irecv`` return before the message moves, but not at once), as a
+    line in its bytes: what a pipeline stage pays per message on top of its passes."""
     reduce_scatter: dict[int, Line] = field(default_factory=dict)
     """Likewise for a reduce-scatter (payload: the whole buffer each member hands over)."""
     all_gather: dict[int, Line] = field(default_factory=dict)
