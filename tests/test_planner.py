@@ -180,32 +180,6 @@ def test_a_stage_pays_its_passes_fixed_cost_once_per_pass_of_each_micro_batch():
     assert whole == pytest.approx(0.0, abs=1e-12)  # one stage is the whole model: no more
 
 
-def test_a_stage_pays_two_posting_calls_per_micro_batch_at_each_boundary():
-    costs = measure_model(
-        pw.model("mlp"),
-        pw.batch("mlp", 8),
-        loss_fn=pw.loss("mlp"),
-        optimizer=measure_optimizer(pw.adam),
-        tensor=1,
-    )
-    costs = _flat_times(costs, 1e-4)  # known layer times: which bound holds is known
-    lines = {2: Line(1e-3, 1e-9)}
-    free = MachineCosts(cores=1, backend="gloo", all_reduce=lines, send=Line.zero())
-    posting = dataclasses.replace(free, post=Line(0.01, 0.0))  # 10 ms a call, any bytes
-    layout, run = Layout.over(2, stages=2), Run(devices=2, global_batch=16)
-    for micro in (4, 8):
-        options = {"micro_batches": micro, "schedule": "1f1b"}
-        more, less = (
-            pipeline_cost.predict(costs, costs, m, run, options, layout=layout).step_s
-            for m in (posting, free)
-        )
-        # one core: every stage's work added up. Each of the 2 stages has one boundary
-        # with one tensor: 2 calls per micro-batch (send and the other way's receive),
-        # and per step its header and its loss; float sums: equal to rounding
-        expected = 2 * (2 * micro + 2) * 0.01
-        assert more - less == pytest.approx(expected, rel=1e-9), micro
-
-
 def test_a_messages_line_never_falls_with_its_bytes():
     from paratrain.planner.machine import SIZES, _rising
 

@@ -259,10 +259,6 @@ class MachineCosts:
     send: Line
     """Seconds of one point-to-point message to a worker waiting for it (woken by it), as
     a line in its bytes."""
-    post: Line = field(default_factory=Line.zero)
-    """Seconds a worker spends in one call that posts a point-to-point send or receive
-    (gloo's ``isend``/``irecv`` return before the message moves, but not at once), as a
-    line in its bytes: what a pipeline stage pays per message on top of its passes."""
     reduce_scatter: dict[int, Line] = field(default_factory=dict)
     """Likewise for a reduce-scatter (payload: the whole buffer each member hands over)."""
     all_gather: dict[int, Line] = field(default_factory=dict)

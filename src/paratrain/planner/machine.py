@@ -32,12 +32,11 @@ from paratrain.runtime.devices import current_device
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
 REPEATS = 7
-FORMAT = 6
-"""6: the seconds a worker spends in the call that posts a point-to-point send or
-receive (``_Posts``); 5: a point-to-point message timed as half a round trip to a
-waiting worker (4: with the receiver busy until the message had arrived, which timed
-almost nothing); 4: collectives timed after each member's work, as a step calls them,
-the fastest of the repetitions kept (3: their median; 2: back to back)."""
+FORMAT = 5
+"""5: a point-to-point message timed as half a round trip to a waiting worker (4: with
+the receiver busy until the message had arrived, which timed almost nothing); 4:
+collectives timed after each member's work, as a step calls them, the fastest of the
+repetitions kept (3: their median; 2: back to back)."""
 WORK_MATMULS = 32
 """Products of two 128 x 128 matrices each member computes before every timed collective
 (about a millisecond on one thread): see ``after_work``."""
@@ -129,19 +128,12 @@ def measure_collectives() -> MachineCosts:
         hop = _Hop(torch.zeros(nbytes // 4, device=device), rank)
         seconds = after_work(hop.run, work if rank == 0 else _idle, member=rank < 2, post=hop.post)
         send_points.append((nbytes, _from_first(seconds / 2)))
-    post_points = []
-    for nbytes in SIZES:
-        posts = _Posts(torch.zeros(nbytes // 4, device=device), rank)
-        seconds = after_work(posts.run, work, member=rank < 2, line_up=posts.line_up)
-        posts.line_up()
-        post_points.append((nbytes, _slowest(seconds / 2)))
     dist.barrier()
     return MachineCosts(
         cores=cores(),
         backend=dist.get_backend(),
         all_reduce=kinds["all_reduce"],
         send=_rising(Line.through(send_points[0], send_points[1])),
-        post=_rising(Line.through(post_points[0], post_points[1])),
         reduce_scatter=kinds["reduce_scatter"],
         all_gather=kinds["all_gather"],
     )
@@ -174,33 +166,6 @@ class _Hop:
         elif self.rank == 1:
             self.received.wait()
             dist.isend(self.inbox, dst=0).wait()
-
-
-class _Posts:
-    """The calls a pipeline stage makes to post its messages, timed alone: after its work,
-    worker 0 posts the receive of a message from worker 1 and the send of one to it, and
-    worker 1 the same towards worker 0 (a stage posts its output's send and its
-    gradient's receive after each forward, as ``pipeline/p2p`` does). The calls return
-    before the messages arrive; their waits come before the next repetition lines up,
-    outside the time. Profiled in a 2-stage pipeline of the default mlp (load 13), these
-    calls took 0.8-2.3 ms each, against 0.3 ms for the stage's forward and backward."""
-
-    def __init__(self, payload: torch.Tensor, rank: int) -> None:
-        self.payload, self.rank = payload, rank
-        self.inbox = torch.empty_like(payload)
-        self.pending: list[Any] = []
-
-    def run(self) -> None:
-        if self.rank in (0, 1):
-            self.pending.append(dist.irecv(self.inbox, src=1 - self.rank))
-            self.pending.append(dist.isend(self.payload, dst=1 - self.rank))
-
-    def line_up(self) -> None:
-        """The last repetition's messages waited for, then every worker together."""
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
-        dist.barrier()
 
 
 def _idle() -> None:
@@ -249,7 +214,6 @@ def to_json(machine: MachineCosts) -> dict:
             for kind in ("all_reduce", "reduce_scatter", "all_gather")
         },
         "send": [machine.send.intercept, machine.send.slope],
-        "post": [machine.post.intercept, machine.post.slope],
     }
 
 
@@ -262,7 +226,6 @@ def from_json(data: dict) -> MachineCosts:
         backend=str(data["backend"]),
         all_reduce=lines("all_reduce"),
         send=Line(*map(float, data["send"])),
-        post=Line(*map(float, data["post"])),
         reduce_scatter=lines("reduce_scatter"),
         all_gather=lines("all_gather"),
     )

@@ -16,11 +16,11 @@ next stage, input gradients and the loss to the previous one), and the gradient 
 posted for the micro-batches in flight.
 
 A step is ``m + stages - 1`` slots of the slowest stage's micro-batch (the bubble), each
-with its sends' bytes, the calls that post its messages (``posting``) and its passes'
-fixed work (``pass_overhead``: a forward and a backward per chunk, B and W for
-zero-bubble, each paying what the whole model's one forward and backward pays once),
-plus the messages a stage waits for idle (``exposed_hops``), then the replicas' gradient
-all-reduce and the optimizer step, per accumulation round.
+with its sends' bytes and its passes' fixed work (``pass_overhead``: a forward and a
+backward per chunk, B and W for zero-bubble, each paying what the whole model's one
+forward and backward pays once), plus the messages a stage waits for idle
+(``exposed_hops``), then the replicas' gradient all-reduce and the optimizer step, per
+accumulation round.
 Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of ``stages - 1``; ZB-H1 idles
 ``stages - 1`` times ``F + B - W`` of the slowest stage, where B (the input's gradient)
 and W (the weights') each take half the backward, so the idle is about one forward per
@@ -119,21 +119,6 @@ def pass_overhead(costs: ModelCosts, samples: float, layers: list[int], passes: 
     whole = costs.time(samples)
     share = costs.time(samples, layers) / whole if whole > 0 else 0.0
     return costs.pass_s * (passes - 2 * share)
-
-
-def posting(
-    machine: MachineCosts, outs: list[float], grads_in: list[float], rounds: int
-) -> tuple[float, float]:
-    """Seconds a stage spends in the calls that post its messages (``MachineCosts.post``),
-    per micro-batch and per step. Per micro-batch, each tensor crossing one of its
-    boundaries takes two calls: an activation it sends on (an isend, and the receive of
-    its gradient posted after the forward), one it receives (its receive posted ahead, its
-    gradient sent back). Per round, each boundary's header (sent or received), and per
-    step each boundary's loss (``p2p.StageLink``)."""
-    per_micro = sum(2 * machine.post.at(b) for b in (*outs, *grads_in))
-    sides = len(outs) + len(grads_in)
-    per_step = sides * (rounds * machine.post.at(HEADER_BYTES) + machine.post.at(LOSS_BYTES))
-    return per_micro, per_step
 
 
 def exposed_hops(schedule: str, stages: int, micro_batches: int) -> float:
@@ -249,13 +234,12 @@ def micro_batch_seconds(
 ) -> float:
     """One micro-batch's seconds on a stage: its layers' forward and backward (under
     ``recompute`` the forward again, in B and in W where ``split``), the copies of the
-    bytes it sends and receives (``boundaries``: ``_boundary_bytes``), the calls posting
-    its messages, and its passes' fixed work."""
+    bytes it sends and receives (``boundaries``: ``_boundary_bytes``), and its passes'
+    fixed work."""
     outs, grads_in = boundaries
     reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
     seconds = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
     seconds += machine.send.slope * (sum(outs) + sum(grads_in))  # the bytes' copies
-    seconds += posting(machine, outs, grads_in, rounds=1)[0]
     return seconds + pass_overhead(costs, samples, layers, passes_per_micro_batch(split, chunks))
 
 
@@ -278,7 +262,7 @@ def predict(
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
     worst: dict[str, int] | None = None
-    slowest = busy = forward_share = widest = fixed = all_fixed = 0.0
+    slowest = busy = forward_share = widest = 0.0
     largest_stage = 0
     for stage in range(stages):
         layers = _worker_layers(bounds, stage, stages)
@@ -306,8 +290,6 @@ def predict(
         per_micro = micro_batch_seconds(
             costs, machine, samples, layers, (outs, grads_in), recompute, split, chunks
         )
-        step_posts = posting(machine, outs, grads_in, rounds)[1]
-        fixed, all_fixed = max(fixed, step_posts), all_fixed + step_posts
         if per_micro > slowest:
             slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro
         busy += per_micro
@@ -316,11 +298,10 @@ def predict(
     optimizer = costs.optimizer.step_s_per_element * largest_stage
     # every stage's micro-batches, on every replica and tensor rank, against the chain of
     # m + stages - 1 slots of the slowest stage
-    work = replicas * costs.tensor * (rounds * micro * busy + all_fixed + stages * optimizer)
+    work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
     idle = idle_slots(schedule, stages, chunks, forward_share, micro_batches=micro)
     waits = exposed_hops(schedule, stages, micro) * machine.send.at(widest)
-    chain = rounds * ((micro + idle) * slowest + waits) + fixed + optimizer
-    compute = machine.compute_seconds(work, chain)
+    compute = machine.compute_seconds(work, rounds * ((micro + idle) * slowest + waits) + optimizer)
     params_largest = max(
         costs.param_bytes(_worker_layers(bounds, s, stages)) for s in range(stages)
     )
