@@ -17,7 +17,9 @@ it; per layer of the layer list (the whole model where it is none) this records:
   to the measured forward and backward of the whole model with its loss (a layer timed
   alone pays the call overheads that one backward through the whole graph shares);
   layers of one signature (class, sizes, parameter and input shapes: a transformer's
-  blocks) are timed once for all (``block_signature``).
+  blocks) are timed once for all (``block_signature``);
+- once, the fixed seconds of a pass called on its own (``ModelCosts.pass_s``,
+  ``_pass_seconds``), which a pipeline stage pays per pass beyond its layers' lines.
 
 Times are taken with the intra-op threads a worker gets (``threads``; the launcher gives
 each of N workers ``cores // N``), so they are a worker's.
