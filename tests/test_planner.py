@@ -133,6 +133,53 @@ def test_each_exposed_hop_adds_one_message_to_a_waiting_worker_to_the_step():
         assert waiting - fast == pytest.approx(hops * 0.01, rel=1e-9), schedule
 
 
+def _flat_times(costs, seconds: float):
+    """``costs`` with every layer's forward and backward ``seconds`` (its forward a third),
+    whatever the samples: the stages' times known, each at least 3/8 of the step's work
+    (the mlp's 8 layers cut 3 + 5 by parameters), so that on one core the work, not the
+    chain of slots, is the step at 4 and more micro-batches."""
+    layers = tuple(
+        dataclasses.replace(layer, time_s=Line(seconds, 0.0), forward_s=Line(seconds / 3, 0.0))
+        for layer in costs.layers
+    )
+    return dataclasses.replace(costs, layers=layers)
+
+
+def test_a_stage_pays_its_passes_fixed_cost_once_per_pass_of_each_micro_batch():
+    costs = measure_model(
+        pw.model("mlp"),
+        pw.batch("mlp", 8),
+        loss_fn=pw.loss("mlp"),
+        optimizer=measure_optimizer(pw.adam),
+        tensor=1,
+    )
+    assert 0 < costs.pass_s < costs.time(8)  # measured, and less than a whole pass pair
+    costs = _flat_times(costs, 1e-4)  # known layer times: which bound holds is known
+    # one core: the step is every stage's work added up, so the passes' cost is exact
+    lines = {2: Line(1e-3, 1e-9)}
+    machine = MachineCosts(cores=1, backend="gloo", all_reduce=lines, send=Line.zero())
+    fixed = 0.01  # 10 ms a pass, far above the measured layers' times
+    paying, free = dataclasses.replace(costs, pass_s=fixed), dataclasses.replace(costs, pass_s=0)
+    run = Run(devices=2, global_batch=16)
+    # (schedule, virtual stages, passes per micro-batch per worker): F and B per chunk, and
+    # B split into B and W for zero-bubble
+    schedules = (("gpipe", 1, 2), ("1f1b", 1, 2), ("zb-h1", 1, 3), ("zb-h2", 1, 3))
+    layout = Layout.over(2, stages=2)
+    for schedule, chunks, passes in (*schedules, ("1f1b", 2, 4)):
+        for micro in (4, 8):
+            options = {"micro_batches": micro, "schedule": schedule, "virtual_stages": chunks}
+            more, less = (
+                pipeline_cost.predict(c, c, machine, run, options, layout=layout).step_s
+                for c in (paying, free)
+            )
+            # 2 stages x m micro-batches x passes, less the whole model's own pair (its
+            # layers' lines hold it); float sums of the same terms: equal to rounding
+            expected = micro * fixed * (2 * passes - 2)
+            assert more - less == pytest.approx(expected, rel=1e-9), (schedule, micro)
+    whole = pipeline_cost.pass_overhead(paying, 8.0, list(range(len(costs.layers))), 2)
+    assert whole == pytest.approx(0.0, abs=1e-12)  # one stage is the whole model: no more
+
+
 def test_a_messages_line_never_falls_with_its_bytes():
     from paratrain.planner.machine import SIZES, _rising
 

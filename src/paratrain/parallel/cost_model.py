@@ -161,6 +161,12 @@ class ModelCosts:
     """Bytes of the targets the loss saves, likewise."""
     loss_saved: Line = field(default_factory=Line.zero)
     """Bytes the loss saves of its own (log-probabilities), in the micro-batch's samples."""
+    pass_s: float = 0.0
+    """Seconds of the fixed work of one pass called on its own (a forward, or a backward
+    from its output's gradient), whatever its layers hold: measured on a one-element pass
+    (``measure._pass_seconds``). The whole model's one forward and backward pays it twice,
+    held in the layers' lines (scaled to add up to the whole model); a pipeline stage pays
+    it on each of its passes of each micro-batch (``pipeline/cost.pass_overhead``)."""
     modules: tuple[tuple[str, str, int, bool], ...] = ()
     """Every module as (its ``named_modules`` path, its class name, the bytes of the
     trainable parameters it holds itself, a tied one at its first holder, whether it has a

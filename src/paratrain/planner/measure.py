@@ -17,7 +17,9 @@ it; per layer of the layer list (the whole model where it is none) this records:
   to the measured forward and backward of the whole model with its loss (a layer timed
   alone pays the call overheads that one backward through the whole graph shares);
   layers of one signature (class, sizes, parameter and input shapes: a transformer's
-  blocks) are timed once for all (``block_signature``).
+  blocks) are timed once for all (``block_signature``);
+- once, the fixed seconds of a pass called on its own (``ModelCosts.pass_s``,
+  ``_pass_seconds``), which a pipeline stage pays per pass beyond its layers' lines.
 
 Times are taken with the intra-op threads a worker gets (``threads``; the launcher gives
 each of N workers ``cores // N``), so they are a worker's.
@@ -67,6 +69,10 @@ OPTIMIZER_REPEATS = 10
 """Timed steps of the optimizer probe (the fastest is kept): a step of 65,536 elements
 takes well under a millisecond, so ten cost nothing and outlast another process's
 interruptions."""
+
+PASS_REPEATS = 20
+"""Timed runs of the one-element pass (``_pass_seconds``): each takes some 20 microseconds,
+so twenty cost nothing and outlast another process's interruptions."""
 
 SIZE_BUDGET_S = 2.0
 """The longest one forward and backward of the whole model may take at the larger size
@@ -197,6 +203,22 @@ def fastest_seconds(run: Callable[[], Any], repeats: int) -> float:
         run()
         seconds.append(time.perf_counter() - start)
     return min(seconds)
+
+
+def _pass_seconds(device: torch.device, autocast_of: Callable[[], Any]) -> float:
+    """The fixed seconds of one pass, whatever its layers: half of a forward and a backward
+    of a one-element stage as a pipeline stage runs them, each called on its own (its input
+    a leaf that wants its gradient, as a received activation is; the forward under the
+    run's autocast; the backward from the output's gradient). A layer list's lines hold
+    the whole model's one pair of them in their shares; a stage pays it per pass."""
+
+    def one_pass_pair() -> None:
+        received = torch.ones(1, device=device, requires_grad=True)
+        with torch.enable_grad(), autocast_of():
+            output = received * 1.0
+        torch.autograd.backward([output], [torch.ones_like(output)])
+
+    return fastest_seconds(one_pass_pair, PASS_REPEATS) / 2
 
 
 def _affordable_size(whole_run: Callable[[int], None], largest: int) -> int:
@@ -375,6 +397,7 @@ def measure_model(
             if alone > 0:  # each layer's share of the whole model's forward and backward
                 scale = whole / alone
                 points[size]["times"] = [(f * scale, fb * scale) for f, fb in times]
+        pass_s = _pass_seconds(device, lambda: autocast_of(device))
     lo, hi = points[small], points[large]
 
     def line(get: Callable[[dict], float]) -> Line:
@@ -400,6 +423,7 @@ def measure_model(
         targets_saved=batch_line("targets"),
         loss_saved=batch_line("loss"),
         modules=module_listing(subject),
+        pass_s=pass_s,
     )
 
 

@@ -16,8 +16,11 @@ next stage, input gradients and the loss to the previous one), and the gradient 
 posted for the micro-batches in flight.
 
 A step is ``m + stages - 1`` slots of the slowest stage's micro-batch (the bubble), each
-with its sends' bytes, plus the messages a stage waits for idle (``exposed_hops``), then
-the replicas' gradient all-reduce and the optimizer step, per accumulation round.
+with its sends' bytes and its passes' fixed work (``pass_overhead``: a forward and a
+backward per chunk, B and W for zero-bubble, each paying what the whole model's one
+forward and backward pays once), plus the messages a stage waits for idle
+(``exposed_hops``), then the replicas' gradient all-reduce and the optimizer step, per
+accumulation round.
 Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of ``stages - 1``; ZB-H1 idles
 ``stages - 1`` times ``F + B - W`` of the slowest stage, where B (the input's gradient)
 and W (the weights') each take half the backward, so the idle is about one forward per
@@ -100,6 +103,24 @@ def idle_slots(
     if schedule == "zb-h1":
         return (stages - 1) * forward_share  # F + B - W with B = W = backward / 2
     return (stages - 1) / chunks
+
+
+def passes_per_micro_batch(split: bool, chunks: int) -> int:
+    """A worker's passes per micro-batch: a forward and a backward of each of its chunks
+    (virtual stages), the backward split into B and W under a zero-bubble schedule."""
+    return (3 if split else 2) * chunks
+
+
+def pass_overhead(costs: ModelCosts, samples: float, layers: list[int], passes: int) -> float:
+    """Seconds a stage's micro-batch pays for its passes' fixed work beyond its layers'
+    lines: ``passes`` times ``ModelCosts.pass_s``, less the share of the whole model's
+    own pair of passes (``2 pass_s``) that the layers' lines already hold (they are the
+    layers' times scaled to add up to the whole model's, so their share is the stage's
+    share of its time). A stage holding the whole model pays nothing more; each further
+    stage pays its own pair per micro-batch."""
+    whole = costs.time(samples)
+    share = costs.time(samples, layers) / whole if whole > 0 else 0.0
+    return costs.pass_s * (passes - 2 * share)
 
 
 def exposed_hops(schedule: str, stages: int, micro_batches: int) -> float:
@@ -205,6 +226,27 @@ def stage_moments(
     return first, later, step
 
 
+def micro_batch_seconds(
+    costs: ModelCosts,
+    machine: MachineCosts,
+    samples: float,
+    layers: list[int],
+    boundaries: tuple[list[float], list[float]],
+    recompute: bool,
+    split: bool,
+    chunks: int,
+) -> float:
+    """One micro-batch's seconds on a stage: its layers' forward and backward (under
+    ``recompute`` the forward again, in B and in W where ``split``), the copies of the
+    bytes it sends and receives (``boundaries``: ``_boundary_bytes``), and its passes'
+    fixed work."""
+    outs, grads_in = boundaries
+    reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
+    seconds = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
+    seconds += machine.send.slope * (sum(outs) + sum(grads_in))  # the bytes' copies
+    return seconds + pass_overhead(costs, samples, layers, passes_per_micro_batch(split, chunks))
+
+
 def predict(
     costs: ModelCosts,
     unsplit: ModelCosts,
@@ -254,9 +296,9 @@ def predict(
         )
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
-        reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
-        per_micro = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
-        per_micro += machine.send.slope * (sum(outs) + sum(grads_in))  # the bytes' copies
+        per_micro = micro_batch_seconds(
+            costs, machine, samples, layers, (outs, grads_in), recompute, split, chunks
+        )
         if per_micro > slowest:
             slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro
         busy += per_micro
