@@ -48,6 +48,14 @@ STAGES = [
 """gpt's layer list on 4 workers: 2 stages x tensor 2, 2 micro-batches (1F1B)."""
 
 
+def _gathers_for_a_tally(run: tuple, evaluated: tuple, head_here: bool) -> None:
+    """A tally reads whole logits: the head gathers them once one is open (where this
+    rank holds it), and the eval loss is the split one's within the same bound."""
+    split, whole, gather = evaluated
+    assert gather is (True if head_here else None), (run, evaluated)
+    assert abs(split - whole) <= VOCAB_TOLERANCE * abs(split), (run, evaluated)
+
+
 def _parity(run: tuple, state: dict, losses: list[float]) -> None:
     kind, opt = run[0], run[1]
     reference, reference_losses, _ = vocab_workers.train(run, split=False)
@@ -64,11 +72,12 @@ def _parity(run: tuple, state: dict, losses: list[float]) -> None:
 def test_vocab_split_under_zero1_and_zero2_by_tensor_trains_as_one_process():
     ranks = paratrain.launch(vocab_workers.composed_worker, devices=4, args=(ZERO,))
     for index, run in enumerate(ZERO):
-        state, losses, held = ranks[0][index]
+        state, losses, held, evaluated = ranks[0][index]
         rows = vocab_workers.VOCAB // 2
         assert held["rows"] == held["embedding_rows"] == rows, run
         assert held["tied"] == (run[0] in ("gpt_tied", "gpt2")), run
         assert held["gather"] is False, (run, held)  # the logits stay split
+        _gathers_for_a_tally(run, evaluated, head_here=True)
         _parity(run, state, losses)
 
 
@@ -86,5 +95,7 @@ def test_vocab_split_under_pipeline_by_tensor_trains_as_one_process():
             held = ranks[rank][index][2]
             assert held["rows"] == rows and held["embedding_rows"] is None, (run, held)
             assert held["gather"] is False, (run, held)
-        state, losses, _ = ranks[0][index]
+        for rank in range(4):
+            _gathers_for_a_tally(run, ranks[rank][index][3], head_here=rank >= 2)
+        state, losses, _, _ = ranks[0][index]
         _parity(run, state, losses)

@@ -148,7 +148,7 @@ def held(engine) -> dict:
 
 def composed_worker(runs: list[tuple]) -> tuple:
     """Each run (its engine named in its options) trained; every rank returns its state,
-    losses and ``held``, so that a pipeline's stages can each be asked."""
+    losses, ``held`` and ``_evaluated``, so that a pipeline's stages can each be asked."""
     import paratrain
 
     out = []
@@ -162,8 +162,29 @@ def composed_worker(runs: list[tuple]) -> tuple:
             **options,
         )
         losses = [engine.train_step(x, y).loss for x, y in batches(kind)]
-        out.append((engine.state_dict(), losses, held(engine)))
+        state, split = engine.state_dict(), held(engine)
+        out.append((state, losses, split, _evaluated(engine, kind)))
     return tuple(out)
+
+
+class _LogitWidth:
+    """A tally's metric that reads the logits a loss sees: their width."""
+
+    fields = ("width",)
+
+    def __call__(self, outputs, targets) -> list[float]:
+        logits = getattr(outputs, "logits", outputs)  # Hugging Face's output, or a tensor
+        return [float(logits.shape[-1])]
+
+
+def _evaluated(engine, kind: str) -> tuple[float, float, bool | None]:
+    """The first batch's eval loss with the logits split, then again once a tally (which
+    reads whole logits: their width here) is open, and whether the head then gathers."""
+    x, y = batches(kind)[0]
+    split = engine.eval_step(x, y)
+    with engine.tally(_LogitWidth()):
+        whole = engine.eval_step(x, y)
+        return split, whole, held(engine)["gather"]
 
 
 def parity_worker(runs: list[tuple]) -> list | None:
