@@ -48,6 +48,9 @@ STAGES = [
 """gpt's layer list on 4 workers: 2 stages x tensor 2, 2 micro-batches (1F1B)."""
 
 
+GATHER_LINE = "a tally reads whole logits: the vocab-split lm head gathers them"
+
+
 def _gathers_for_a_tally(run: tuple, evaluated: tuple, head_here: bool) -> None:
     """A tally reads whole logits: the head gathers them once one is open (where this
     rank holds it), and the eval loss is the split one's within the same bound."""
@@ -69,8 +72,9 @@ def _parity(run: tuple, state: dict, losses: list[float]) -> None:
 
 
 @pytest.mark.slow
-def test_vocab_split_under_zero1_and_zero2_by_tensor_trains_as_one_process():
+def test_vocab_split_under_zero1_and_zero2_by_tensor_trains_as_one_process(capfd):
     ranks = paratrain.launch(vocab_workers.composed_worker, devices=4, args=(ZERO,))
+    assert capfd.readouterr().out.count(GATHER_LINE) == len(ZERO)  # said once a run
     for index, run in enumerate(ZERO):
         state, losses, held, evaluated = ranks[0][index]
         rows = vocab_workers.VOCAB // 2
@@ -82,10 +86,12 @@ def test_vocab_split_under_zero1_and_zero2_by_tensor_trains_as_one_process():
 
 
 @pytest.mark.slow
-def test_vocab_split_under_pipeline_by_tensor_trains_as_one_process():
+def test_vocab_split_under_pipeline_by_tensor_trains_as_one_process(capfd):
     """Ranks 0-1 are the first stage's tensor group (the embedding's rows), 2-3 the
-    last's (the head's rows, its logits kept split by the loss)."""
+    last's (the head's rows, its logits kept split by the loss); the line a tally's
+    gather prints comes from the last stage (rank 0 holds no head), once a run."""
     ranks = paratrain.launch(vocab_workers.composed_worker, devices=4, args=(STAGES,))
+    assert capfd.readouterr().out.count(GATHER_LINE) == len(STAGES)
     rows = vocab_workers.VOCAB // 2
     for index, run in enumerate(STAGES):
         for rank in (0, 1):

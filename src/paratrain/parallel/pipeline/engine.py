@@ -217,7 +217,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         else:
             self._cut_named(model, stages, split_points, tp_plan)
         # the last stage's vocab-split lm head keeps its logits split where the loss is ours
-        self.loss_fn = vocab_loss.sharded_loss(self.loss_fn, self.module) or self.loss_fn
+        self._speaks = comm.rank() == self.mesh.rank_of(self.mesh.stages - 1, 0, 0)
+        sharded = vocab_loss.sharded_loss(self.loss_fn, self.module, speaks=self._speaks)
+        self.loss_fn = sharded or self.loss_fn
         self._params = [p for _, p in self.named_local_parameters()]
         self.ties.attach(dict(self._full_named_parameters()))
         self.recompute = recompute
@@ -504,7 +506,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     def tally(self, metric: Metric) -> Tally:
         """As every engine's, after making a vocab-split head's logits whole again: a
         tally reads them (accuracy, its own loss)."""
-        self.loss_fn = vocab_loss.gathered(self.loss_fn)
+        self.loss_fn = vocab_loss.gathered(self.loss_fn, speaks=self._speaks)
         return super().tally(metric)
 
     def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
