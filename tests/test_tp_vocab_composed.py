@@ -11,7 +11,10 @@ an all-reduce adds, and each shard's update is the optimizer's per-element arith
 pipeline's reference takes the same 2 micro-batches as 2 accumulated parts
 (``gradient_accumulation=2``), and a tie crossing the stages adds the embedding's and the
 head's gradient of a row once more, in another order: one more rounding of the sum of two
-terms, within ``TOLERANCE``. A run that trained nothing is ~1e-3 or more off (checked).
+terms, within ``TOLERANCE``. Measured (states, relative): 4.5e-7 and below with SGD,
+up to 7.8e-6 with AdamW (gpt under the pipeline); losses 2.3e-7 and below. A run that
+trained nothing is ~1e-3 or more off (checked); before the pipeline read its ties from
+the unsplit model, tied gpt under it ended 0.21 off.
 """
 
 from __future__ import annotations
