@@ -23,10 +23,11 @@ from torch import nn
 
 import paratrain
 from paratrain.parallel.tensor.detect import feeding_groups
-from paratrain.parallel.tensor.hf_plan import translated
+from paratrain.parallel.tensor.hf_plan import applied_line, translated
 from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, detect_plan, resolve_plan
 from tests import tp_model_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
+from tests.test_tp_vocab import VOCAB_TOLERANCE
 
 pytest.importorskip("transformers", reason="the dev extra installs transformers")
 
@@ -56,9 +57,11 @@ def test_llama_gpt2_and_nanogpt_split_by_heads_train_as_one_process():
         if run[2] == "adam":
             state = tp_model_workers.without_key_bias(state)
             reference = tp_model_workers.without_key_bias(reference)
+        # "auto" splits Llama's lm head by vocabulary too: tests/test_tp_vocab.py's bound
+        bound = VOCAB_TOLERANCE if run[3].get("tp_plan") == "auto" else TOLERANCE
         error = relative_error(state, reference)
-        assert error <= TOLERANCE, (run, error)
-        assert losses == pytest.approx(reference_losses, rel=TOLERANCE), run
+        assert error <= bound, (run, error)
+        assert losses == pytest.approx(reference_losses, rel=bound), run
     refused = results[-1]
     assert "attention '0' (NormedHeadsAttention)" in refused, refused
     assert "computes another function on the first batch" in refused, refused
@@ -164,18 +167,54 @@ def test_the_plan_is_found_for_each_block(kind, splits, attention):
 
 
 def test_auto_takes_the_configs_plan_under_the_base_models_prefix():
+    """The config's ``base_model_tp_plan`` under ``model.``, and the class's ``_tp_plan``
+    (``lm_head: colwise_gather_output``, ``colwise_rep`` before transformers 5) as our
+    vocab-split head, replicated where tensor does not divide the vocabulary (64)."""
     model = llama()
-    assert translated(model, "auto") == tp_model_workers.LLAMA_PLAN
-    assert resolve_plan(model, 2, "auto") == resolve_plan(model, 2, None)
+    with_head = {**tp_model_workers.LLAMA_PLAN, "lm_head": "vocab"}
+    assert translated(model, "auto", 2) == with_head
+    assert resolve_plan(model, 2, "auto") == resolve_plan(model, 2, with_head)
+    assert translated(model, "auto", 3)["lm_head"] == "replicate"
+    line = applied_line(model, 3)
+    assert "lm_head replicate (LlamaForCausalLM._tp_plan's colwise_gather_output" in line
+    assert "tensor=3 does not divide its 64 ids" in line
     as_is = {p.removeprefix("model."): k for p, k in tp_model_workers.LLAMA_PLAN.items()}
     assert resolve_plan(model, 2, as_is) == resolve_plan(model, 2, None)
+
+
+def test_auto_replicates_a_head_tied_to_an_embedding_the_plan_keeps_whole(monkeypatch):
+    """Llama with tied embeddings: the config's plan keeps ``embed_tokens`` whole, so a
+    vocab-split head would split one tensor on one side only; replicated, said. With the
+    embedding in the plan as ``embedding_rowwise`` the pair is split alike."""
+    from transformers import LlamaForCausalLM
+
+    config = llama().config
+    config.tie_word_embeddings = True
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert translated(model, "auto", 2)["lm_head"] == "replicate"
+    assert "tied to 'model.embed_tokens', which the plan keeps whole" in applied_line(model, 2)
+    base = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    monkeypatch.setattr(type(config), "base_model_tp_plan", base, raising=False)
+    monkeypatch.setattr(config, "base_model_tp_plan", base, raising=False)
+    plan = translated(model, "auto", 2)
+    assert plan["lm_head"] == plan["model.embed_tokens"] == "vocab"
+    resolve_plan(model, 2, "auto")  # both sides split: accepted
+
+
+def test_auto_refuses_a_class_plan_kind_without_an_exact_counterpart(monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "_tp_plan", {"lm_head": "local_colwise"})
+    with pytest.raises(ValueError, match="LlamaForCausalLM._tp_plan makes 'lm_head' 'local_"):
+        translated(llama(), "auto", 2)
 
 
 def test_a_hugging_face_kind_without_an_exact_counterpart_is_refused():
     plan = {**tp_model_workers.LLAMA_PLAN, "lm_head": "colwise_gather_output"}
     with pytest.raises(ValueError, match="'lm_head' 'colwise_gather_output', which has no exact"):
         resolve_plan(llama(), 2, plan)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel has none"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has neither"):
         resolve_plan(tp_model_workers.build("gpt2"), 2, "auto")
 
 

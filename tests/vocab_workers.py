@@ -87,18 +87,23 @@ def loss(kind: str, form: str):
 
 
 def train(run: tuple, split: bool = True) -> tuple[dict, list[float], dict]:
-    """One run (kind, optimizer, loss form, engine options) for ``STEPS`` steps: its
-    state, losses, and (split) what the worker holds of the head and which loss it ran."""
+    """One run (kind, optimizer, loss form, engine options; ``strategy`` among them, tp
+    where not given) for ``STEPS`` steps: its state, losses, and (split) what the worker
+    holds of the head and which loss it ran."""
     import paratrain
 
     kind, opt, form, options = run
+    options = dict(options)
+    strategy = options.pop("strategy", "tp")
+    # the reference adds the pipeline's micro-batches as its own parts, in the same order
+    parts = {"gradient_accumulation": options.get("micro_batches", 1)}
     model = build(kind)
     engine = paratrain.setup(
         model,
         optimizer=hf_workers.optimizer(opt),
         loss_fn=loss(kind, form),
-        strategy="tp" if split else "single",
-        **({"tp_plan": PLANS[kind], **options} if split else {}),
+        strategy=strategy if split else "single",
+        **({"tp_plan": PLANS[kind], **options} if split else parts),
     )
     losses = []
     for x, y in batches(kind):
@@ -119,6 +124,67 @@ def _head(engine, kind: str) -> dict:
         "loss": type(engine.loss_fn).__name__,
         "gather": head.gather,
     }
+
+
+def held(engine) -> dict:
+    """What this worker holds of the vocabulary split, for any engine (a pipeline stage
+    holds the embedding or the head or neither): rows of each (None where absent), whether
+    one tensor serves both, whether the head gathers its logits, the loss it trains with."""
+    from paratrain.parallel.tensor.layers import VocabEmbedding, VocabHead
+
+    model = getattr(engine, "module", None) or engine.model
+    heads = [m for m in model.modules() if isinstance(m, VocabHead)]
+    embeddings = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
+    head = heads[0] if heads else None
+    embedding = embeddings[0] if embeddings else None
+    return {
+        "rows": head.weight.shape[0] if head else None,
+        "embedding_rows": embedding.weight.shape[0] if embedding else None,
+        "tied": bool(head and embedding and head.weight is embedding.weight),
+        "gather": head.gather if head else None,
+        "loss": type(engine.loss_fn).__name__,
+    }
+
+
+def composed_worker(runs: list[tuple]) -> tuple:
+    """Each run (its engine named in its options) trained; every rank returns its state,
+    losses, ``held`` and ``_evaluated``, so that a pipeline's stages can each be asked."""
+    import paratrain
+
+    out = []
+    for kind, opt, form, options in runs:
+        options = dict(options)
+        engine = paratrain.setup(
+            build(kind),
+            optimizer=hf_workers.optimizer(opt),
+            loss_fn=loss(kind, form),
+            tp_plan=PLANS[kind],
+            **options,
+        )
+        losses = [engine.train_step(x, y).loss for x, y in batches(kind)]
+        state, split = engine.state_dict(), held(engine)
+        out.append((state, losses, split, _evaluated(engine, kind)))
+    return tuple(out)
+
+
+class _LogitWidth:
+    """A tally's metric that reads the logits a loss sees: their width."""
+
+    fields = ("width",)
+
+    def __call__(self, outputs, targets) -> list[float]:
+        logits = getattr(outputs, "logits", outputs)  # Hugging Face's output, or a tensor
+        return [float(logits.shape[-1])]
+
+
+def _evaluated(engine, kind: str) -> tuple[float, float, bool | None]:
+    """The first batch's eval loss with the logits split, then again once a tally (which
+    reads whole logits: their width here) is open, and whether the head then gathers."""
+    x, y = batches(kind)[0]
+    split = engine.eval_step(x, y)
+    with engine.tally(_LogitWidth()):
+        whole = engine.eval_step(x, y)
+        return split, whole, held(engine)["gather"]
 
 
 def parity_worker(runs: list[tuple]) -> list | None:

@@ -70,6 +70,7 @@ from paratrain.parallel.layer_profile import param_profiles, profile_layers
 from paratrain.parallel.layers import LayerPieces, is_layer_list, layer_list
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_reduction import LossTotals
+from paratrain.parallel.metric_tally import Metric, Tally
 from paratrain.parallel.model_loss_items import part_inputs, with_num_items
 from paratrain.parallel.pipeline.chunks import (
     Chunk,
@@ -108,6 +109,7 @@ from paratrain.parallel.strategy import (
     optimizer_from_factory,
     require_process_group,
 )
+from paratrain.parallel.tensor import vocab_loss
 from paratrain.parallel.tensor.compose import SplitsLayers
 from paratrain.parallel.tensor.split import split_model
 from paratrain.parallel.ties import tied_names
@@ -214,6 +216,10 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             self._cut_layer_list(model, balance, balance_by, sample_input, tp_plan)
         else:
             self._cut_named(model, stages, split_points, tp_plan)
+        # the last stage's vocab-split lm head keeps its logits split where the loss is ours
+        self._speaks = comm.rank() == self.mesh.rank_of(self.mesh.stages - 1, 0, 0)
+        sharded = vocab_loss.sharded_loss(self.loss_fn, self.module, speaks=self._speaks)
+        self.loss_fn = sharded or self.loss_fn
         self._params = [p for _, p in self.named_local_parameters()]
         self.ties.attach(dict(self._full_named_parameters()))
         self.recompute = recompute
@@ -270,9 +276,10 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         other stages' modules on meta (``stage_run``), its planned layers split first."""
         plan = plan_stages(model, stages, split_points)
         self.balance, self.split_points = plan.balance, plan.split_points
+        # ties read before the split: a tie split by vocabulary is two slices afterwards
+        named = [(n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)]
         if self.mesh.tensor > 1:
             self._split_named(model, plan, tp_plan)
-        named = [(n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)]
         self.ties = CrossStageTies(named, self.mesh)
         self.named = NamedStage(model, plan, self.mesh.stage, self._device)
         self.module = model  # the whole model; other stages' modules are on meta
@@ -332,6 +339,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         bounds = stage_bounds(self.balance)
         pieces = [range(*bounds[j]) for j in held_pieces(self.mesh.stage, stages, chunks)]
         held = [index for piece in pieces for index in piece]
+        # ties read before the split: a tie split by vocabulary is two slices afterwards
+        owners = layer_list_stages(layers, bounds, prefix, stages=stages)
         if self.mesh.tensor > 1:  # every chunk's planned layers, over the tensor group
             mine = [layers[i] for i in held]
             # the members cut their slices from one stage, their first member's
@@ -341,7 +350,6 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan, only=only)
             layers, prefix = layer_list(model)  # a split layer of the list is a new module
         self.slice = LayerPieces(tuple(held), prefix)
-        owners = layer_list_stages(layers, bounds, prefix, stages=stages)
         self.ties = CrossStageTies(owners, self.mesh)
         kept = {id(p) for index in held for p in layers[index].parameters()}
         for index, layer in enumerate(layers):
@@ -494,6 +502,12 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             loss = loss.reshape(1)
             comm.all_reduce_sum(loss, group=self.mesh.dp_group)
         return float(loss.reshape(-1)[0])
+
+    def tally(self, metric: Metric) -> Tally:
+        """As every engine's, after making a vocab-split head's logits whole again: a
+        tally reads them (accuracy, its own loss)."""
+        self.loss_fn = vocab_loss.gathered(self.loss_fn, speaks=self._speaks)
+        return super().tally(metric)
 
     def combine_tally(self, sums: torch.Tensor) -> torch.Tensor:
         """Only the last stage's loss sees predictions, each replica's its own share; the

@@ -79,7 +79,7 @@ class CrossStageTies:
         """(group of this replica's stages holding the tie, their canonical names)."""
         for stages, canonical in spans.items():  # the same order on every rank
             for replica in range(mesh.replicas):
-                for t in range(mesh.tensor):  # a tied weight is never split: each its copy
+                for t in range(mesh.tensor):  # a copy whole, or rank t's vocab rows on each
                     members = [mesh.rank_of(stage, replica, t) for stage in stages]
                     group = dist.new_group(members)
                     here = (replica, t) == (mesh.replica, mesh.tensor_rank)

@@ -281,7 +281,7 @@ def _check_untied(model: nn.Module, plan: TensorPlan) -> None:
 def resolve_plan(model: nn.Module, tensor: int, tp_plan: dict[str, str] | str | None) -> TensorPlan:
     """The checked plan for ``model`` split over ``tensor`` ranks (see the docstring)."""
     if tp_plan is not None:
-        tp_plan = translated(model, tp_plan)
+        tp_plan = translated(model, tp_plan, tensor)
     plan = detect_plan(model) if tp_plan is None else plan_from_patterns(model, tp_plan)
     if not plan.splits and not plan.attention:
         where = "found no layer to split" if tp_plan is None else "splits no layer"

@@ -185,7 +185,7 @@ def split_model(
     tensor, rank, group = mesh.tensor, mesh.tensor_rank, mesh.tensor_group
     whole_plan = resolve_plan(model, tensor, tp_plan)
     if tp_plan == hf_plan.AUTO and comm.rank() == 0:
-        print(hf_plan.applied_line(model, hf_plan.translated(model, tp_plan)), flush=True)
+        print(hf_plan.applied_line(model, tensor), flush=True)
     plan = whole_plan if only is None else whole_plan.restricted_to(only)
     wholes = setup_check.keep_wholes(model, plan.attention)
     specs = apply_plan(model, plan, rank=rank, tensor=tensor, group=group)

@@ -154,9 +154,13 @@ def _kind(loss_fn: Any) -> type | None:
     return None
 
 
-def sharded_loss(loss_fn: Any, model: nn.Module) -> SummedVocabLoss | MeanVocabLoss | None:
+def sharded_loss(
+    loss_fn: Any, model: nn.Module, *, speaks: bool | None = None
+) -> SummedVocabLoss | MeanVocabLoss | None:
     """The loss to train ``model`` with if it has a vocab-split head whose logits can stay
-    split (its head then returns them split); None where the head gathers (said once)."""
+    split (its head then returns them split); None where the head gathers, said once by
+    the worker that ``speaks`` (rank 0 by default; a pipeline names its last stage's
+    first member, which holds the head)."""
     heads = [m for m in model.modules() if isinstance(m, VocabHead)]
     if not heads:
         return None
@@ -171,19 +175,21 @@ def sharded_loss(loss_fn: Any, model: nn.Module) -> SummedVocabLoss | MeanVocabL
             f"the lm head is split by vocabulary, but {why}, so its logits are gathered on "
             "every rank (the weights' memory is split, the logits' is not); to keep them "
             "split, pass loss_fn=paratrain.losses.causal_lm_cross_entropy (or "
-            "token_cross_entropy) with one vocab-split head."
+            "token_cross_entropy) with one vocab-split head.",
+            speaks,
         )
         return None
     heads[0].gather = False
     return kind(loss_fn, heads[0])
 
 
-def gathered(loss_fn: Any) -> Any:
+def gathered(loss_fn: Any, *, speaks: bool | None = None) -> Any:
     """``loss_fn`` back as given, its head gathering whole logits again (a tally reads
-    them); a loss that is not sharded is returned as it is."""
+    them), said by the worker that ``speaks``; a loss not sharded is returned as it is."""
     if isinstance(loss_fn, (SummedVocabLoss, MeanVocabLoss)):
         loss_fn.head.gather = True
-        _say("a tally reads whole logits: the vocab-split lm head gathers them from now on.")
+        line = "a tally reads whole logits: the vocab-split lm head gathers them from now on."
+        _say(line, speaks)
         return loss_fn.inner
     return loss_fn
 
@@ -192,6 +198,6 @@ def _name(loss_fn: Any) -> str:
     return getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
 
-def _say(line: str) -> None:
-    if comm.rank() == 0:
+def _say(line: str, speaks: bool | None = None) -> None:
+    if (comm.rank() == 0) if speaks is None else speaks:
         print(line, flush=True)
