@@ -72,10 +72,15 @@ def test_two_ring_neighbours_lost_go_back_to_the_checkpoint(
     run_dir = tmp_path / "neighbours"
     assert train(run_dir, *ZERO2, "--shard-copies", "--checkpoint-every", "2") == 0
     err = capfd.readouterr().err
-    assert "no survivor holds the optimizer slice of replica(s) 2 (of 4) at step 4" in err
-    assert "zero2 their shard copies miss state that no survivor holds, so the 2 " in err
-    assert "restart from checkpoint" in err and "step-00000004 (step 4)" in err
-    assert [r["step"] for r in records(run_dir, "train")][-1] == 6
+    assert (
+        "paratrain: worker 1, 2 lost; the survivors' shard copies do not cover every slice of "
+        "zero2's state, so the 2 survivors restart from checkpoint "
+        f"{run_dir / 'checkpoints' / 'step-00000004'} (step 4)."
+    ) in err
+    changes = records(run_dir, "workers")
+    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [(5, 4, 2)]
+    assert [(c["lost_ranks"], c["steps_redone"]) for c in changes] == [([1, 2], 1)]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 7))
     error = relative_error(load_model_state(run_dir / "final"), uninterrupted_zero2)
     assert error <= TOLERANCE
 

@@ -46,10 +46,12 @@ def go_on_from_checkpoint(
                 file=sys.stderr,
             )
         raise error
-    held = "their shard copies miss" if named is not None else "keeps"
+    why = f"{config.strategy} keeps state that no survivor holds"
+    if named is not None:
+        why = f"the survivors' shard copies do not cover every slice of {config.strategy}'s state"
     print(
-        f"paratrain: worker {', '.join(map(str, lost))} lost; {config.strategy} {held} "
-        f"state that no survivor holds, so the {survivors} survivors restart from {where}.",
+        f"paratrain: worker {', '.join(map(str, lost))} lost; {why}, so the {survivors} "
+        f"survivors restart from {where}.",
         file=sys.stderr,
     )
     _record(run_dir / "metrics.jsonl", lost, devices, survivors, step)
