@@ -14,6 +14,7 @@ import torch
 
 from paratrain.checkpoints.format import load_model_state
 from paratrain.config import ConfigError, TrainConfig
+from paratrain.parallel import strategy_class
 from paratrain.parallel.zero.shard_copies import HeldShard
 from paratrain.parallel.zero.shard_recovery import (
     canonical_from_slices,
@@ -132,3 +133,12 @@ def test_shard_copies_refuse_replacements_and_split_layers():
         check_elastic(copies, 4)
     check_elastic(TrainConfig(**base, max_restarts=1, global_batch=24), 4)  # the fallback
     check_elastic(TrainConfig(**base, shard_copies=True, global_batch=24, min_devices=2), 4)
+
+
+def test_the_copies_are_counted_in_the_memory_a_worker_needs():
+    """Adam: zero2 holds 4 + (4 + 8) / 4 bytes per parameter on 4 workers; the copy and the
+    kept send buffer add two slices of weights and optimizer state, 2 * (4 + 8) / 4."""
+    zero2 = strategy_class("zero2")
+    assert zero2.model_state_per_worker(100, 4, {}) == (4 + 12 / 4) * 100
+    assert zero2.model_state_per_worker(100, 4, {"shard_copies": True}) == (4 + 36 / 4) * 100
+    assert zero2.model_state_per_worker(100, 1, {"shard_copies": True}) == 16 * 100  # no ring

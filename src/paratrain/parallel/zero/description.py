@@ -90,10 +90,13 @@ class Zero2Strategy(_ReplicatedParametersStrategy):
     def model_state_per_worker(
         cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
     ) -> float:
-        """Weights whole; gradients and optimizer state 1/replicas (of a worker's share)."""
+        """Weights whole; gradients and optimizer state 1/replicas (of a worker's share);
+        with ``shard_copies`` two more slices of weights and optimizer state (the
+        neighbour's copy and the last one sent, see ``shard_copies``)."""
         replicas = cls.layout(workers, options).replicas
         share = cls.parameter_share(workers, options) * parameters
-        return (weight + (gradient + optimizer) / replicas) * share
+        copies = 2 * (weight + optimizer) if given(options, SHARD_COPIES) and replicas > 1 else 0
+        return (weight + (gradient + optimizer + copies) / replicas) * share
 
 
 @register("zero3")
