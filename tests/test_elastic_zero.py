@@ -40,14 +40,17 @@ def uninterrupted_zero2(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("phase", ["forward", "optimizer"])
 def test_a_kill_with_shard_copies_goes_on_at_three_without_the_checkpoint(
-    tmp_path, monkeypatch, uninterrupted_zero2, capfd
+    tmp_path, monkeypatch, uninterrupted_zero2, capfd, phase
 ):
-    """Worker 1 dies in step 5's forward: worker 0 holds its slice, so the 3 survivors put
-    the state of step 4 together and redo step 5. No checkpoint is written or read
+    """Worker 1 dies in step 5 (in its forward; or in its optimizer step, when the others
+    have stepped their own slices and wait in the parameter all-gather, so they offer the
+    slices they last sent): worker 0 holds its slice, so the 3 survivors put the state of
+    step 4 together and redo step 5. No checkpoint is written or read
     (--checkpoint-every 0), and the weights are the uninterrupted run's to TOLERANCE
     (test_elastic's derivation: only the order of the per-sample sums differs)."""
-    monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:5:forward")
+    monkeypatch.setenv("PARATRAIN_FAULT", f"kill:1:5:{phase}")
     run_dir = tmp_path / "copies"
     assert train(run_dir, *ZERO2, "--shard-copies") == 0
     out = capfd.readouterr()

@@ -381,6 +381,8 @@ class Zero2Engine(ShardCopiesMixin, _ReplicatedParameters):
     def __init__(self, model: nn.Module, *, shard_copies: bool = False, **options: Any) -> None:
         super().__init__(model, **options)
         self.shard_copies = self._copies(model) if shard_copies else None
+        if self.shard_copies is not None:  # a death in the first step finds copies too
+            self.shard_copies.exchange(self.steps_taken, pieces=False)
 
 
 class Zero3Engine(ZeroEngine):
