@@ -30,6 +30,7 @@ RUNS = [
     ("dp", {}),
     ("zero1", {}),
     ("zero2", {}),
+    ("zero2", {"shard_copies": True}),  # the copies change nothing of the step: zero2's hashes
     ("zero3", {}),
     ("pipeline", {"stages": 2, "micro_batches": 4, "schedule": "gpipe"}),
     ("pipeline", {"stages": 2, "micro_batches": 4, "schedule": "1f1b"}),

@@ -63,6 +63,13 @@ class Strategy:
     sharding costs communication); None: never suggested."""
 
     @classmethod
+    def elastic_in_memory(cls, options: dict[str, Any]) -> bool:
+        """Whether ``--elastic`` goes on after a death from what the survivors hold, with
+        these ``options`` (``elastic``, unless the strategy keeps copies of what a worker
+        alone holds: zero2's ``shard_copies``); else from the checkpoint, if at all."""
+        return cls.elastic
+
+    @classmethod
     def layout(cls, devices: int, options: dict[str, Any]) -> Layout:
         """The degrees of a run on ``devices`` workers with ``options``: built here once,
         then carried to the mesh, the engine, the planner and the records."""

@@ -35,6 +35,13 @@ def check_elastic(config: TrainConfig, devices: int) -> None:
             f"--strategy {elastic[0]}, or --max-restarts with --checkpoint-every to resume "
             "from the newest checkpoint."
         )
+    described = strategy_class(config.strategy)
+    copies = described.elastic_in_memory(config.strategy_options()) and not described.elastic
+    if config.max_restarts and copies:
+        raise ConfigError(
+            f"--max-restarts under --elastic starts replacement workers, which {config.strategy} "
+            "cannot yet hand its sharded state to; drop --max-restarts."
+        )
     if getattr(config, "tensor", 1) not in (None, 1):
         raise ConfigError(
             "--elastic needs whole replicas, but --tensor splits layers over workers; "

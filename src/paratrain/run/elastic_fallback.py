@@ -19,9 +19,10 @@ from paratrain.checkpoints.format import Checkpoint
 from paratrain.checkpoints.locate import latest_checkpoint
 from paratrain.config import TrainConfig
 from paratrain.reports.metrics_file import append_records, read_metrics
+from paratrain.runtime.elastic import survivors_of
 from paratrain.runtime.launch import WorkerError, dead_ranks
 
-__all__ = ["go_on_from_checkpoint"]
+__all__ = ["go_on_from_checkpoint", "lost_state"]
 
 
 def go_on_from_checkpoint(
@@ -31,7 +32,8 @@ def go_on_from_checkpoint(
     count and the checkpoint they restart from (None: the start), said in one line and
     written as a ``workers`` record; ``error`` is raised again where fewer than
     ``--min-devices`` are left or it was not a death (a SIGTERM)."""
-    lost = dead_ranks(error)
+    named = lost_state(error)  # shard copies that could not cover a death: they say who is left
+    lost = dead_ranks(error) if named is None else sorted(set(range(devices)) - set(named))
     survivors = devices - len(lost)
     checkpoint = latest_checkpoint(run_dir)
     step = Checkpoint(checkpoint).step if checkpoint else 0
@@ -44,13 +46,27 @@ def go_on_from_checkpoint(
                 file=sys.stderr,
             )
         raise error
+    why = f"{config.strategy} keeps state that no survivor holds"
+    if named is not None:
+        why = f"the survivors' shard copies do not cover every slice of {config.strategy}'s state"
     print(
-        f"paratrain: worker {', '.join(map(str, lost))} lost; {config.strategy} keeps "
-        f"state that no survivor holds, so the {survivors} survivors restart from {where}.",
+        f"paratrain: worker {', '.join(map(str, lost))} lost; {why}, so the {survivors} "
+        f"survivors restart from {where}.",
         file=sys.stderr,
     )
     _record(run_dir / "metrics.jsonl", lost, devices, survivors, step)
     return survivors, checkpoint
+
+
+def lost_state(error: WorkerError) -> list[int] | None:
+    """The survivors' launch ranks where they stopped because no one held a slice of the
+    state (``ElasticStateLost``), else None. A rank that never regrouped (killed) counts
+    as lost."""
+    for details in error.failures.values():
+        survivors = survivors_of(details)
+        if survivors is not None:
+            return survivors
+    return None
 
 
 def _record(metrics: Path, lost: list[int], old: int, new: int, step: int) -> None:

@@ -23,7 +23,7 @@ from paratrain.config import ConfigError, TrainConfig, as_dict
 from paratrain.data import GlobalBatchLoader
 from paratrain.parallel import strategy_class
 from paratrain.reports.metrics_file import MetricsWriter, read_metrics
-from paratrain.run.elastic_fallback import go_on_from_checkpoint
+from paratrain.run.elastic_fallback import go_on_from_checkpoint, lost_state
 from paratrain.runtime.launch import WorkerError
 
 
@@ -118,7 +118,9 @@ def launch_with_restarts(
                 timeout_s=config.timeout,
             )
         except WorkerError as error:
-            if config.elastic and not strategy_class(config.strategy).elastic:
+            described = strategy_class(config.strategy)
+            in_memory = described.elastic_in_memory(config.strategy_options())
+            if config.elastic and (not in_memory or lost_state(error)):
                 devices, resume_from = go_on_from_checkpoint(config, error, run_dir, devices)
                 attempt += 1
                 continue

@@ -39,6 +39,7 @@ from paratrain.run.elastic import (
     stop_short,
     take_furthest_state,
 )
+from paratrain.run.elastic_copies import keeps_copies, offer, take_offers
 from paratrain.run.evaluation import EvalResult, evaluate, running_accuracy
 from paratrain.run.faults import arm_faults, inject_fault, launch_rank
 from paratrain.run.length import RunLength, eval_batches, evaluates_at, run_length
@@ -171,13 +172,17 @@ def _regroup(run: WorkerRun, post: Any, step: int, started: float, attempt: int)
     """Go on over ``post.members``: the old engine dropped (its group with it), a new group
     and engine, the furthest member's state, the record; below the minimum, save and stop."""
     old = run.elastic.generation.members
-    own = engine_state(run.engine, _carried(run, step))
+    copies = keeps_copies(run.engine)
+    own = offer(run.engine) if copies else engine_state(run.engine, _carried(run, step))
     run.train_tally.close()
     run.engine = run.train_tally = None  # the last references to the old group
     generation = regroup(run.elastic, post)
     run.engine = build_engine(run.config, run.bundle)
     arm_faults(run.engine, attempt)
-    steps = take_furthest_state(run.engine, own)["steps"]
+    if copies:  # the survivors' loaders stand alike: only the engine's state is put together
+        steps = take_offers(run.engine, own, post.members)
+    else:
+        steps = take_furthest_state(run.engine, own)["steps"]
     run.train_tally = run.engine.tally(run.metric)
     lost = tuple(sorted(set(old) - set(post.members)))
     joined = tuple(sorted(set(post.members) - set(old)))
@@ -225,7 +230,8 @@ def setup(
 ) -> WorkerRun:
     """The engine, the loaders, the resumed state, the metrics file and the bar."""
     elastic = None
-    in_memory = config.elastic and strategy_class(config.strategy).elastic  # else fallback
+    described = strategy_class(config.strategy)
+    in_memory = config.elastic and described.elastic_in_memory(config.strategy_options())
     if in_memory and not joining():  # marked before any step: a death is survived
         elastic = ElasticWorker.join(
             launch_rank(), config.min_devices, config.max_restarts, config.timeout

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -63,6 +64,26 @@ _COMM_ERROR_MARKERS = ("Connection closed by peer", "Connection reset", "gloo", 
 
 class ElasticShortfall(RuntimeError):
     """Fewer workers are left than ``min_devices``: the run stops, its last step saved."""
+
+
+class ElasticStateLost(RuntimeError):
+    """The survivors of a death do not hold the whole training state between them (zero2's
+    shard copies of two ring neighbours, both lost): the run goes back to the newest
+    checkpoint. Its sentence names the survivors' launch ranks (``survivors_of``)."""
+
+    def __init__(self, what: str, survivors: tuple[int, ...]) -> None:
+        ranks = ", ".join(map(str, survivors))
+        super().__init__(
+            f"{what}; the {len(survivors)} survivors (launch ranks {ranks}) go back to the "
+            "newest checkpoint."
+        )
+
+
+def survivors_of(details: str) -> list[int] | None:
+    """The survivors' launch ranks an ``ElasticStateLost`` named, from a worker's error
+    text; None where the text is no such error."""
+    found = re.search(r"ElasticStateLost: .*\(launch ranks ([\d, ]+)\)", details)
+    return [int(r) for r in found.group(1).split(",")] if found else None
 
 
 @dataclass(frozen=True)

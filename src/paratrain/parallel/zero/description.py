@@ -21,6 +21,7 @@ from paratrain.parallel.sync_batchnorm import SYNC_BATCHNORM
 from paratrain.parallel.tensor.options import TENSOR
 from paratrain.parallel.zero import cost as zero_cost
 from paratrain.parallel.zero.engine import Zero1Engine, Zero2Engine, Zero3Engine
+from paratrain.parallel.zero.shard_copies import SHARD_COPIES
 from paratrain.parallel.zero.units import UNITS, check_units
 
 
@@ -78,15 +79,24 @@ class Zero2Strategy(_ReplicatedParametersStrategy):
     stage = 2
     advice_rank = 2
     elastic_from_checkpoint = True  # tested (test_elastic); zero1 and zero3 not yet
+    options = (*_ReplicatedParametersStrategy.options, SHARD_COPIES)
+
+    @classmethod
+    def elastic_in_memory(cls, options: dict[str, Any]) -> bool:
+        """With ``shard_copies`` every slice is on two workers (``shard_copies``)."""
+        return bool(given(options, SHARD_COPIES))
 
     @classmethod
     def model_state_per_worker(
         cls, parameters, workers, options, *, weight=4, gradient=4, optimizer=8
     ) -> float:
-        """Weights whole; gradients and optimizer state 1/replicas (of a worker's share)."""
+        """Weights whole; gradients and optimizer state 1/replicas (of a worker's share);
+        with ``shard_copies`` two more slices of weights and optimizer state (the
+        neighbour's copy and the last one sent, see ``shard_copies``)."""
         replicas = cls.layout(workers, options).replicas
         share = cls.parameter_share(workers, options) * parameters
-        return (weight + (gradient + optimizer) / replicas) * share
+        copies = 2 * (weight + optimizer) if given(options, SHARD_COPIES) and replicas > 1 else 0
+        return (weight + (gradient + optimizer + copies) / replicas) * share
 
 
 @register("zero3")

@@ -96,6 +96,7 @@ from paratrain.parallel.zero.grads import ShardedGradients
 from paratrain.parallel.zero.groups import learn_groups
 from paratrain.parallel.zero.optim import check_sharded_optimizer
 from paratrain.parallel.zero.reduce_scatter import ReduceScatterShards
+from paratrain.parallel.zero.shard_held import ShardCopiesMixin
 from paratrain.parallel.zero.shards import FlatUnit, trainable
 from paratrain.parallel.zero.units import UnitSpec, check_units, unit_modules
 from paratrain.parallel.zero.unused import ShardPieces, make_pieces
@@ -367,13 +368,21 @@ class Zero1Engine(_ReplicatedParameters):
     stage = 1
 
 
-class Zero2Engine(_ReplicatedParameters):
+class Zero2Engine(ShardCopiesMixin, _ReplicatedParameters):
     """ZeRO stage 2: optimizer state and gradients sharded; parameters whole on every rank.
 
-    Options as ``zero1``.
+    Options as ``zero1``, and ``shard_copies`` (each worker also keeps its ring
+    neighbour's optimizer slice, so an elastic run goes on after a death from memory; see
+    ``shard_copies``).
     """
 
     stage = 2
+
+    def __init__(self, model: nn.Module, *, shard_copies: bool = False, **options: Any) -> None:
+        super().__init__(model, **options)
+        self.shard_copies = self._copies(model) if shard_copies else None
+        if self.shard_copies is not None:  # a death in the first step finds copies too
+            self.shard_copies.exchange(self.steps_taken, pieces=False)
 
 
 class Zero3Engine(ZeroEngine):
