@@ -59,6 +59,7 @@ class Zero1Strategy(_ReplicatedParametersStrategy):
     engine = Zero1Engine
     stage = 1
     advice_rank = 1
+    elastic_from_checkpoint = True  # its checkpoint loads at any count (test_elastic)
 
     @classmethod
     def model_state_per_worker(
@@ -78,7 +79,7 @@ class Zero2Strategy(_ReplicatedParametersStrategy):
     engine = Zero2Engine
     stage = 2
     advice_rank = 2
-    elastic_from_checkpoint = True  # tested (test_elastic); zero1 and zero3 not yet
+    elastic_from_checkpoint = True  # tested (test_elastic)
     options = (*_ReplicatedParametersStrategy.options, SHARD_COPIES)
 
     @classmethod
@@ -108,6 +109,7 @@ class Zero3Strategy(ReplicaStrategy):
     stage = 3
     options = (RECOMPUTE, BROADCAST_BUFFERS, SYNC_BATCHNORM, UNITS)
     advice_rank = 3
+    elastic_from_checkpoint = True  # its checkpoint loads at any count (test_elastic)
 
     @classmethod
     def layout(cls, devices: int, options: dict[str, Any]) -> Layout:
