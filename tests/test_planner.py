@@ -111,14 +111,19 @@ def test_a_pipeline_waits_idle_for_its_fill_and_drain_and_1f1b_for_its_steady_lo
     assert [exposed_hops("1f1b", 4, m) for m in (2, 4, 8)] == [6.0, 6.0, 12.0]
 
 
-def test_each_exposed_hop_adds_one_message_to_a_waiting_worker_to_the_step():
-    costs = measure_model(
+def _mlp_costs():
+    """The mlp's measured costs at 8 samples under Adam, one tensor rank."""
+    return measure_model(
         pw.model("mlp"),
         pw.batch("mlp", 8),
         loss_fn=pw.loss("mlp"),
         optimizer=measure_optimizer(pw.adam),
         tensor=1,
     )
+
+
+def test_each_exposed_hop_adds_one_message_to_a_waiting_worker_to_the_step():
+    costs = _mlp_costs()
     lines = {2: Line(1e-3, 1e-9)}
     quiet = MachineCosts(cores=8, backend="gloo", all_reduce=lines, send=Line.zero())
     slow = dataclasses.replace(quiet, send=Line(0.01, 0.0))  # 10 ms a hop, no bytes' cost
@@ -146,13 +151,7 @@ def _flat_times(costs, seconds: float):
 
 
 def test_a_stage_pays_its_passes_fixed_cost_once_per_pass_of_each_micro_batch():
-    costs = measure_model(
-        pw.model("mlp"),
-        pw.batch("mlp", 8),
-        loss_fn=pw.loss("mlp"),
-        optimizer=measure_optimizer(pw.adam),
-        tensor=1,
-    )
+    costs = _mlp_costs()
     assert 0 < costs.pass_s < costs.time(8)  # measured, and less than a whole pass pair
     costs = _flat_times(costs, 1e-4)  # known layer times: which bound holds is known
     # one core: the step is every stage's work added up, so the passes' cost is exact

@@ -23,9 +23,7 @@ import pytest
 
 import paratrain
 from tests import vocab_workers
-from tests.test_parity_dp import relative_error
-from tests.test_tp_vocab import VOCAB_TOLERANCE
-from tests.tp_model_workers import without_key_bias
+from tests.test_tp_vocab import VOCAB_TOLERANCE, assert_trains_as_one_process
 
 pytest.importorskip("transformers", reason="the dev extra installs transformers")
 
@@ -62,18 +60,6 @@ def _gathers_for_a_tally(run: tuple, evaluated: tuple, head_here: bool) -> None:
     assert abs(split - whole) <= VOCAB_TOLERANCE * abs(split), (run, evaluated)
 
 
-def _parity(run: tuple, state: dict, losses: list[float]) -> None:
-    kind, opt = run[0], run[1]
-    reference, reference_losses, _ = vocab_workers.train(run, split=False)
-    assert relative_error(reference, vocab_workers.build(kind).state_dict()) > 1e-3
-    if opt == "adam" and kind == "gpt2":  # its packed key bias: see tests/test_tp_vocab.py
-        state, reference = without_key_bias(state), without_key_bias(reference)
-    error = relative_error(state, reference)
-    assert error <= VOCAB_TOLERANCE, (run, error)
-    loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, reference_losses, strict=True))
-    assert loss_error <= VOCAB_TOLERANCE, (run, loss_error)
-
-
 @pytest.mark.slow
 def test_vocab_split_under_zero1_and_zero2_by_tensor_trains_as_one_process(capfd):
     ranks = paratrain.launch(vocab_workers.composed_worker, devices=4, args=(ZERO,))
@@ -85,7 +71,7 @@ def test_vocab_split_under_zero1_and_zero2_by_tensor_trains_as_one_process(capfd
         assert held["tied"] == (run[0] in ("gpt_tied", "gpt2")), run
         assert held["gather"] is False, (run, held)  # the logits stay split
         _gathers_for_a_tally(run, evaluated, head_here=True)
-        _parity(run, state, losses)
+        assert_trains_as_one_process(run, state, losses)
 
 
 @pytest.mark.slow
@@ -107,4 +93,4 @@ def test_vocab_split_under_pipeline_by_tensor_trains_as_one_process(capfd):
         for rank in range(4):
             _gathers_for_a_tally(run, ranks[rank][index][3], head_here=rank >= 2)
         state, losses, _, _ = ranks[0][index]
-        _parity(run, state, losses)
+        assert_trains_as_one_process(run, state, losses)
