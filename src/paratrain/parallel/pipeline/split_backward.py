@@ -7,10 +7,11 @@ the weights' matrix products, but a later backward towards the weights from the 
 output would redo every layer's input-gradient chain. So the forward runs the layers one
 at a time and cuts the graph between them (each layer's input is a detached copy that
 requires grad, as a stage's received input is). B walks the layers down, asking each for
-its input's gradient only and keeping the gradient that reached its output; W then asks
-each layer, from that output gradient, for its weights' gradients. Only work inside a
-layer whose weights sit below a non-linear path to its input (an attention block's inner
-projections) is done twice; a layer list of linear layers does each product once.
+its input's gradient only; W then asks for the weights' gradients. Inside a layer, W
+starts from each parameter-owning module's outputs where the graph proves that exact
+(``weight_units``: B keeps the gradient at each such output), so each product is done
+once; elsewhere from the gradient that reached the layer's output, which redoes the
+layer's work that lies between its weights and its output.
 
 Exact: every gradient is the same product of the same tensors as in one backward; a
 Parameter used by several layers gets each layer's share from that layer's W, summed by
@@ -28,6 +29,13 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.layers import is_layer_list
 from paratrain.parallel.pipeline.structure import flatten, floating, unflatten
+from paratrain.parallel.pipeline.weight_units import (
+    Unit,
+    UnitRecorder,
+    overlapping,
+    param_owners,
+    units_of,
+)
 
 
 def _graph_leaves(value: Any) -> list[torch.Tensor]:
@@ -63,7 +71,11 @@ class _Layer:
     params: list[nn.Parameter]
     """Its trainable parameters."""
     grads: list[torch.Tensor] = field(default_factory=list)
-    """The gradient B saw reach each output, kept for W."""
+    """The gradient B saw reach each output, kept for W (whole-layer W only)."""
+    units: list[Unit] | None = None
+    """The modules W takes one by one (``weight_units``), or None for a whole-layer W."""
+    keep_graph: bool = False
+    """Whether a unit's W must leave the graph for another's (nested units)."""
 
 
 class LayerTape:
@@ -84,11 +96,19 @@ class LayerTape:
         for index, layer in enumerate(layers):
             if index:
                 value, inputs = _cut(value)
-                value = _call(layer, (value,), {}, recompute)
+                args, kwargs = (value,), {}
+            owners = None if recompute or not inputs else param_owners(layer)
+            units = None
+            if owners:
+                with UnitRecorder(owners) as recorder:
+                    value = _call(layer, args, kwargs, recompute)
+                units = units_of(recorder, _graph_leaves(value))
             else:
                 value = _call(layer, args, kwargs, recompute)
             params = [p for p in layer.parameters() if p.requires_grad]
-            self.layers.append(_Layer(inputs, _graph_leaves(value), params))
+            record = _Layer(inputs, _graph_leaves(value), params, units=units)
+            record.keep_graph = units is not None and overlapping(units)
+            self.layers.append(record)
         return value
 
     @property
@@ -119,6 +139,8 @@ class LayerTape:
             return []
         if not layer.outputs:
             return [torch.zeros_like(i) for i in layer.inputs]
+        if layer.units is not None:
+            return LayerTape._input_and_unit_grads(layer)
         found = torch.autograd.grad(
             layer.outputs,
             layer.inputs,
@@ -131,11 +153,35 @@ class LayerTape:
             for i, g in zip(layer.inputs, found, strict=True)
         ]
 
+    @staticmethod
+    def _input_and_unit_grads(layer: _Layer) -> list[torch.Tensor]:
+        """B of a layer W takes unit by unit: the inputs' gradients, and each unit's
+        outputs' gradients kept on the unit (the layer's output gradient is then let go)."""
+        wanted = [out for unit in layer.units for out in unit.outputs]
+        found = torch.autograd.grad(
+            layer.outputs,
+            [*layer.inputs, *wanted],
+            layer.grads,
+            retain_graph=bool(wanted),
+            allow_unused=True,
+        )
+        rest = iter(found[len(layer.inputs) :])
+        for unit in layer.units:
+            unit.grads = [next(rest) for _ in unit.outputs]
+        layer.grads = []
+        return [
+            torch.zeros_like(i) if g is None else g
+            for i, g in zip(layer.inputs, found, strict=False)
+        ]
+
     def backward_weight(self) -> None:
-        """W: each layer's weight gradients from the output gradient B kept, accumulated
-        into ``.grad``; the tape's graph is freed."""
+        """W: each layer's weight gradients, from its units' outputs or from its output
+        gradient, accumulated into ``.grad``; the tape's graph is freed."""
         for layer in self.layers:
-            if layer.params and layer.outputs:
+            if layer.units is not None:
+                for unit in layer.units:
+                    unit.backward_weight(keep_graph=layer.keep_graph)
+            elif layer.params and layer.outputs:
                 torch.autograd.backward(layer.outputs, layer.grads, inputs=layer.params)
         self.layers = []
 

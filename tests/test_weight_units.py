@@ -1,0 +1,137 @@
+"""W unit by unit (``weight_units``): the same gradients as one backward, and the whole-
+layer W wherever the graph cannot prove a module's outputs carry all its weights' paths.
+
+Tolerance: a unit's W runs the same kernels on the same tensors as one backward does for
+that weight (a Linear's ``grad_out^T @ x``, a LayerNorm's weight reduction), so the
+gradients are equal up to a kernel that computes the weight's part alone reducing in
+another order: fp32 rounding of 2^-24 per add over at most the 512 rows summed here,
+about 3e-5 relative, so rtol 6e-5 (atol 1e-7 for entries near 0). Measured: 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models import build_model
+from paratrain.parallel.pipeline.split_backward import LayerTape
+
+RTOL, ATOL = 6e-5, 1e-7
+
+
+def _grads_both_ways(layers: nn.Sequential, x: torch.Tensor) -> tuple[list, list, LayerTape]:
+    """(one backward's input and weight gradients, the tape's, the tape before W)."""
+    torch.manual_seed(1)
+    upstream = torch.randn_like(layers(x))
+    x1 = x.detach().requires_grad_(True)
+    layers(x1).backward(upstream)
+    reference = [x1.grad, *[p.grad.clone() for p in layers.parameters()]]
+    layers.zero_grad(set_to_none=True)
+    tape = LayerTape()
+    x2 = x.detach().requires_grad_(True)
+    tape.run(layers, (x2,), {})
+    kinds = [layer.units is not None for layer in tape.layers]
+    (input_grad,) = tape.backward_input([upstream])
+    tape.backward_weight()
+    split = [input_grad, *[p.grad.clone() for p in layers.parameters()]]
+    layers.zero_grad(set_to_none=True)
+    return reference, split, kinds
+
+
+def _assert_same(reference: list, split: list) -> None:
+    for ref, got in zip(reference, split, strict=True):
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_a_gpt_blocks_weights_come_from_each_modules_outputs_and_equal_one_backward():
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=65, block_size=16, n_layer=3, n_head=4, n_embd=32)
+    blocks = nn.Sequential(*list(model)[1:4])
+    reference, split, per_unit = _grads_both_ways(blocks, torch.randn(4, 16, 32))
+    assert per_unit == [True, True, True]
+    _assert_same(reference, split)
+
+
+def test_a_gpt_blocks_w_does_not_redo_its_b():
+    """The point of units: W runs only the weights' products. Counted in operators (not
+    time): a whole-layer W of a block re-runs its attention's backward, a unit W none."""
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=65, block_size=16, n_layer=1, n_head=4, n_embd=32)
+    block = nn.Sequential(model[1])
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    tape = LayerTape()
+    tape.run(block, (x,), {})
+    tape.backward_input([torch.ones(2, 16, 32)])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tape.backward_weight()
+    names = {event.name for event in prof.events()}
+    assert not any("attention" in name.lower() for name in names), sorted(names)
+
+
+class _TiedHead(nn.Module):
+    """A head that uses another module's weight through ``F.linear``: that weight's
+    Linear's outputs do not carry all of its paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(self.inner(x)), self.inner.weight)
+
+
+class _Twice(nn.Module):
+    """One Linear called twice: its second call's outputs depend on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.tanh(self.shared(x)))
+
+
+class _Leaky(nn.Linear):
+    """Keeps an inner value that the layer uses after the module returned."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept = torch.sigmoid(x * self.weight[0])
+        return super().forward(x)
+
+
+class _UsesLeak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaky = _Leaky(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leaky(x) * self.leaky.kept
+
+
+class _Scaled(nn.Module):
+    """Owns a Parameter of its own around a child Linear: its unit holds the child's
+    graph too (nested units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((8,), 1.5))
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x * self.scale))
+
+
+@pytest.mark.parametrize(
+    ("layer", "per_unit"),
+    [(_TiedHead, False), (_Twice, False), (_UsesLeak, False), (_Scaled, True)],
+    ids=["weight-used-outside-its-module", "module-called-twice", "inner-value-leaks", "nested"],
+)
+def test_a_layer_w_takes_unit_by_unit_only_where_the_graph_proves_it_exact(layer, per_unit):
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), layer(), nn.Linear(8, 8))
+    reference, split, kinds = _grads_both_ways(layers, torch.randn(5, 8))
+    assert kinds == [True, per_unit, True]
+    _assert_same(reference, split)
