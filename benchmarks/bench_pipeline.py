@@ -349,7 +349,7 @@ def format_row(row: dict) -> str:
         f"| {row['paratrain_over_torch']:.2f} ({low:.2f}-{high:.2f}) "
         f"| {row['bubble_measured']:.1%} | {row['bubble_theory']:.1%} "
         f"| {row['bubble_ratio']:.2f} | {row['bubble_replayed']:.1%} "
-        f"| {row['replayed_ratio']:.2f} | {row['hop_s'] * 1e3:.2f} "
+        f"| {row['replayed_ratio']:.2f} | {row['hop_s'] * 1e3:.3f} "
         f"| {row['stage_imbalance']:.2f} "
         f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} "
         f"| {', '.join(f'{n:g}' for n in row['in_flight_theory'])} |"
