@@ -6,11 +6,20 @@ engine, and torch's ``PipelineStage``s driven by the matching schedule with the 
 micro-batches (m = 4p): GPipe - ``ScheduleGPipe``, 1F1B - ``Schedule1F1B``, interleaved
 1F1B over 2 chunks per stage - ``ScheduleInterleaved1F1B`` on the same p x 2 pieces, ZB-H1
 - ``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedule, ZB1P, here with one
-stage per rank). The two alternate round by round on the same global batches, so machine
-noise hits both alike. Reported: median step time (max over ranks), samples/s, the
-throughput ratio paratrain/torch, and paratrain's measured bubble next to its schedule's
-theory (``Timeline.theory``: (p-1)/(m+p-1), (p-1)/(vm+p-1), or ZB-H1's (p-1)(F+B-W) from
-the run's own pass times). On a machine with fewer cores than workers the figures are
+stage per rank). torch has no ZB-H2: paratrain's ZB-H2 runs against the same
+``ScheduleInterleavedZeroBubble`` as ZB-H1, and the peer column says so. The two alternate
+round by round on the same global batches, so machine noise hits both alike.
+
+Reported: median step time (max over ranks), samples/s, the throughput ratio
+paratrain/torch, and paratrain's measured bubble next to two theories. The textbook one
+assumes equal stages and free messages (``Timeline.theory``: (p-1)/(m+p-1), (p-1)/(vm+p-1),
+or ZB-H1's (p-1)(F+B-W) from the run's mean pass times). The replayed one
+(``replay.timeline_replay``) places the schedule's own action lists on this run's median
+time of each stage's passes plus the message time seen in the timeline, so
+measured/replayed near 1 says the engine idles no more than the schedule must on these
+stages; the stage imbalance is the slowest stage's busy time over the fastest's. After the
+table: each ZB schedule's idle seconds per step over 1F1B's (the goal: ZB-H1 at most a
+third) and each row's goals. On a machine with fewer cores than workers the figures are
 contended (the bubble then partly measures waiting for a core): the table says so.
 
     python benchmarks/bench_pipeline.py            # full table
@@ -36,7 +45,8 @@ import paratrain
 from paratrain.models import build_model, loss_for
 from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.parallel.pipeline.partition import stage_bounds
-from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
+from paratrain.parallel.pipeline.replay import timeline_replay
+from paratrain.parallel.pipeline.timeline import median_step, read_timeline, step_profile
 
 # Layers of equal size, so that stages can be balanced at layer granularity and the bubble
 # compares with the theory, which assumes equal stages.
@@ -50,14 +60,17 @@ MODELS = {
         "global_batch": 64,
     },
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 """Bench names: ``interleaved`` is paratrain's 1f1b with ``virtual_stages=2``."""
 PEERS = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-h2": "ScheduleInterleavedZeroBubble",
 }
+PEER_NOTES = {"zb-h2": "torch has no ZB-H2"}
+"""Said in the peer column where torch's schedule is not the same schedule."""
 CHUNKS = {"interleaved": 2}
 PEER_SCHEDULE = {"interleaved": "1f1b"}
 """paratrain's schedule name for a bench name."""
@@ -177,65 +190,150 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
             bench_worker, devices=stages, args=(name, spec, schedule, rounds, steps, run_dir)
         )
         timeline = read_timeline(Path(run_dir) / "timeline.jsonl")
-        bubble, (theory, formula) = measured_bubble(timeline), timeline.theory()
+        step, bubble = median_step(timeline)
+        span = step_profile(timeline, step, 0)[0]
+        (theory, formula), replayed = timeline.theory(), timeline_replay(timeline)
     median = slowest_rank([r["median_s"] for r in results])
     return {
         "median": median,
         "bubble": bubble,
+        "idle_s": bubble * span,  # per-stage mean idle seconds of the median step
         "theory": theory,
         "formula": formula,
+        "replayed": replayed.bubble,
+        "replayed_idle_s": replayed.bubble * replayed.replay.makespan,
+        "hop_s": replayed.hop_s,
+        "imbalance": replayed.replay.imbalance,
         "balance": results[0]["balance"],
         "activation_peak": [r["activation_peak"] for r in results],
     }
 
 
+def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
+    """One configuration's figures, medians over its launches."""
+    median, ratios = over_launches([r["median"] for r in runs], ours="paratrain", peer="torch")
+    micro, batch = 4 * stages, MODELS[name]["global_batch"]
+
+    def over_runs(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    bubble, theory, replayed = over_runs("bubble"), over_runs("theory"), over_runs("replayed")
+    note = PEER_NOTES.get(schedule)
+    return {
+        "model": name,
+        "stages": stages,
+        "schedule": schedule,
+        "peer": PEERS[schedule] + (f"; {note}" if note else ""),
+        "contended": stages > len(os.sched_getaffinity(0)),
+        "micro_batches": micro,
+        "global_batch": batch,
+        "balance": runs[0]["balance"],
+        "median_step_s": median,
+        "samples_per_s": {key: batch / value for key, value in median.items()},
+        "paratrain_over_torch": statistics.median(ratios),
+        "paratrain_over_torch_range": [min(ratios), max(ratios)],
+        "bubble_measured": bubble,
+        "bubble_theory": theory,
+        "bubble_formula": runs[0]["formula"],
+        "bubble_ratio": bubble / theory,
+        "bubble_replayed": replayed,
+        "replayed_ratio": bubble / replayed,
+        "hop_s": over_runs("hop_s"),
+        "stage_imbalance": over_runs("imbalance"),
+        "idle_s_per_step": {
+            "measured": over_runs("idle_s"),
+            "replayed": over_runs("replayed_idle_s"),
+        },
+        "activation_peak_bytes": runs[0]["activation_peak"],
+        "in_flight_theory": [
+            in_flight(PEER_SCHEDULE.get(schedule, schedule), stages, s, micro, chunks)
+            for s in range(stages)
+            for chunks in [CHUNKS.get(schedule, 1)]
+        ],
+    }
+
+
 def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
+    """Every configuration's row, printed as it comes; then each row's goals and the ZB
+    schedules' idle seconds over 1F1B's added (``add_goals``)."""
     rows = []
     for name in models:
         for stages in stage_counts:
             for schedule in schedules:
                 runs = [measure(name, stages, schedule, rounds, steps) for _ in range(repeats)]
-                median, ratios = over_launches(
-                    [r["median"] for r in runs], ours="paratrain", peer="torch"
-                )
-                micro, batch = 4 * stages, MODELS[name]["global_batch"]
-                theory = statistics.median(r["theory"] for r in runs)
-                bubble = statistics.median(r["bubble"] for r in runs)
-                row = {
-                    "model": name,
-                    "stages": stages,
-                    "schedule": schedule,
-                    "peer": PEERS[schedule],
-                    "contended": stages > len(os.sched_getaffinity(0)),
-                    "micro_batches": micro,
-                    "global_batch": batch,
-                    "balance": runs[0]["balance"],
-                    "median_step_s": median,
-                    "samples_per_s": {key: batch / value for key, value in median.items()},
-                    "paratrain_over_torch": statistics.median(ratios),
-                    "paratrain_over_torch_range": [min(ratios), max(ratios)],
-                    "bubble_measured": bubble,
-                    "bubble_theory": theory,
-                    "bubble_formula": runs[0]["formula"],
-                    "bubble_ratio": bubble / theory,
-                    "activation_peak_bytes": runs[0]["activation_peak"],
-                    "in_flight_theory": [
-                        in_flight(PEER_SCHEDULE.get(schedule, schedule), stages, s, micro, chunks)
-                        for s in range(stages)
-                        for chunks in [CHUNKS.get(schedule, 1)]
-                    ],
-                }
-                rows.append(row)
-                print(format_row(row), flush=True)
+                rows.append(build_row(name, stages, schedule, runs))
+                print(format_row(rows[-1]), flush=True)
+    add_goals(rows)
     return rows
+
+
+ZB_GOAL = 1 / 3
+"""The issue's goal: a ZB schedule's idle time per step at most a third of 1F1B's."""
+
+
+def add_goals(rows: list[dict]) -> None:
+    """Each row's goals (measured within 10% of replayed, paratrain's samples/s at least
+    torch's) and, for ZB rows, idle seconds per step over 1F1B's of the same model and
+    stage count (None where 1F1B was not run)."""
+    one_f_one_b = {(r["model"], r["stages"]): r for r in rows if r["schedule"] == "1f1b"}
+    for row in rows:
+        row["goals"] = {
+            "measured_within_10pct_of_replayed": abs(row["replayed_ratio"] - 1) <= 0.10,
+            "samples_per_s_ratio_at_least_1": row["paratrain_over_torch"] >= 1.0,
+        }
+        if not row["schedule"].startswith("zb"):
+            continue
+        base = one_f_one_b.get((row["model"], row["stages"]))
+        row["idle_over_1f1b"] = None
+        if base is not None:
+            idle, base_idle = row["idle_s_per_step"], base["idle_s_per_step"]
+            ratio = {key: idle[key] / base_idle[key] for key in idle}
+            row["idle_over_1f1b"] = ratio
+            row["goals"]["idle_at_most_a_third_of_1f1b"] = ratio["measured"] <= ZB_GOAL
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """After the table: ZB idle seconds over 1F1B's per model and stage count, then one
+    goals line per row."""
+    lines = ["", "ZB idle seconds per step (per-stage mean) over 1F1B's (goal: <= 1/3):"]
+    zb = [row for row in rows if row["schedule"].startswith("zb")]
+    for row in zb:
+        where = f"{row['model']} {row['stages']} stages {row['schedule']}"
+        ratio = row["idle_over_1f1b"]
+        if ratio is None:
+            lines.append(f"  {where}: 1f1b not run, no ratio")
+            continue
+        met = _yes(row["goals"]["idle_at_most_a_third_of_1f1b"])
+        lines.append(
+            f"  {where}: measured {ratio['measured']:.2f} ({met}), replayed {ratio['replayed']:.2f}"
+        )
+    if not zb:
+        lines.append("  no ZB schedule run")
+    lines += ["", "Goals per row:"]
+    for row in rows:
+        goals = row["goals"]
+        lines.append(
+            f"  {row['model']} {row['stages']} x {row['micro_batches']} {row['schedule']}: "
+            f"measured within 10% of replayed: "
+            f"{_yes(goals['measured_within_10pct_of_replayed'])} ({row['replayed_ratio']:.2f}); "
+            f"samples/s ratio >= 1: {_yes(goals['samples_per_s_ratio_at_least_1'])} "
+            f"({row['paratrain_over_torch']:.2f})"
+        )
+    return lines
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
 
 
 HEADER = (
     "| model | stages x micro | schedule (torch peer) | torch ms | paratrain ms "
-    "| torch samples/s | paratrain samples/s "
-    "| paratrain/torch (range) | bubble measured | bubble theory | measured/theory "
+    "| torch samples/s | paratrain samples/s | paratrain/torch (range) | bubble measured "
+    "| bubble textbook, equal stages | measured/textbook "
+    "| bubble replayed (this run's stage times + hop) | measured/replayed | hop ms "
+    "| stage imbalance (slowest/fastest busy) "
     "| activation peak per stage (MiB) | in flight per stage (theory, stages' worth) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -250,7 +348,9 @@ def format_row(row: dict) -> str:
         f"| {row['samples_per_s']['paratrain']:.0f} "
         f"| {row['paratrain_over_torch']:.2f} ({low:.2f}-{high:.2f}) "
         f"| {row['bubble_measured']:.1%} | {row['bubble_theory']:.1%} "
-        f"| {row['bubble_ratio']:.2f} "
+        f"| {row['bubble_ratio']:.2f} | {row['bubble_replayed']:.1%} "
+        f"| {row['replayed_ratio']:.2f} | {row['hop_s'] * 1e3:.3f} "
+        f"| {row['stage_imbalance']:.2f} "
         f"| {', '.join(f'{b / 2**20:.1f}' for b in row['activation_peak_bytes'])} "
         f"| {', '.join(f'{n:g}' for n in row['in_flight_theory'])} |"
     )
@@ -271,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {repeats} launch(es) x {rounds} rounds x {steps} steps")
     print(HEADER, flush=True)
     rows = run(args.models, args.stages, args.schedules, rounds, steps, repeats)
+    print("\n".join(summary_lines(rows)), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -66,14 +66,33 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
             "global_batch": 32,
         },
     )
-    rows = bench.run(["mlp"], [2], ["1f1b"], rounds=1, steps=2, repeats=1)
-    row = rows[0]
+    rows = bench.run(["mlp"], [2], ["1f1b", "zb-h2"], rounds=1, steps=2, repeats=1)
+    row, zb = rows
     assert set(row["median_step_s"]) == {"paratrain", "torch"}
     assert row["micro_batches"] == 8 and sum(row["balance"]) == 6
     assert 0.0 < row["bubble_measured"] < 1.0
     # (p - 1) / (m + p - 1) in float64: one rounding, far inside approx's default 1e-6.
     assert row["bubble_theory"] == pytest.approx(1 / 9)
+    for each in rows:  # the replay of this run's own stage times and message time
+        assert 0.0 < each["bubble_replayed"] < 1.0 and each["hop_s"] >= 0.0
+        assert each["replayed_ratio"] == each["bubble_measured"] / each["bubble_replayed"]
+        assert each["stage_imbalance"] >= 1.0
+        assert set(each["goals"]) >= {
+            "measured_within_10pct_of_replayed",
+            "samples_per_s_ratio_at_least_1",
+        }
+    assert "idle_over_1f1b" not in row
+    ratio = zb["idle_over_1f1b"]
+    assert (
+        ratio["measured"]
+        == zb["idle_s_per_step"]["measured"] / (row["idle_s_per_step"]["measured"])
+    )
     assert "| mlp | 2 x 8 | 1f1b (Schedule1F1B) |" in bench.format_row(row)
+    assert "zb-h2 (ScheduleInterleavedZeroBubble; torch has no ZB-H2)" in bench.format_row(zb)
+    assert bench.format_row(row).count("|") == bench.HEADER.splitlines()[0].count("|")
+    text = "\n".join(bench.summary_lines(rows))
+    assert f"mlp 2 stages zb-h2: measured {ratio['measured']:.2f}" in text
+    assert "mlp 2 x 8 1f1b: measured within 10% of replayed: " in text
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ Dependencies (virtual stage ``j`` = ``chunk * stages + stage``; plain schedules 
 chunk, so ``j`` is the stage): ``F(j, m)`` needs ``F(j - 1, m)``; ``B(j, m)`` needs
 ``B(j + 1, m)`` and ``F(j, m)``; ``W(j, m)`` needs ``B(j, m)``. Messages are assumed not
 to block the sender (buffered or asynchronous sends) and to take no time, so the tables
-show compute only.
+show compute only (``replay`` places the same lists with measured seconds and a message
+time, through the same ``place_actions``).
 
 Backward passes run in increasing micro-batch order in every schedule here: activations
 and gradients then cross each link in the order they were produced, so a per-link FIFO
@@ -45,11 +46,13 @@ __all__ = [
     "Timed",
     "build_schedule",
     "clock_table",
+    "dependencies",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
     "max_in_flight",
     "one_f_one_b",
+    "place_actions",
     "simulate",
     "simulated_bubble",
     "split_occupancy",
@@ -382,40 +385,64 @@ def simulate(
     stuck stages when no stage can make progress.
     """
     ticks = _action_ticks(schedule, forward_ticks, backward_ticks, weight_ticks)
+    placed = place_actions(schedule, lambda stage, action: ticks[action.kind], hop=0)
+    return [[Timed(action, start, end) for action, start, end in slots] for slots in placed]
+
+
+Dependency = tuple[str, int, int]
+"""``(kind, virtual stage, micro-batch)`` of a pass another pass waits for."""
+
+
+def dependencies(stage: int, action: Action, stages: int, virtual: int) -> list[Dependency]:
+    """What ``action`` on ``stage`` waits for (see the module docstring), among
+    ``virtual`` virtual stages over ``stages`` devices."""
+    j = action.chunk * stages + stage
+    if action.kind == "F":
+        return [("F", j - 1, action.micro)] if j > 0 else []
+    if action.kind == "W":
+        return [("B", j, action.micro)]
+    after = [("B", j + 1, action.micro)] if j < virtual - 1 else []
+    return [*after, ("F", j, action.micro)]
+
+
+def place_actions(
+    schedule: Schedule, length: Callable[[int, Action], float], *, hop: float
+) -> list[list[tuple[Action, float, float]]]:
+    """Every action as ``(action, start, end)``, each as early as its stage and inputs
+    allow: ``length(stage, action)`` long, and ``hop`` after an input made on another
+    device (virtual stage ``j`` sits on device ``j % stages``). Integer lengths and hop
+    give integer times (``simulate``'s clock); ``replay`` gives seconds. Raises
+    ``ScheduleDeadlock`` naming the stuck stages when no stage can make progress, and
+    ``ScheduleError`` on lists that do not run every pass exactly once."""
     _check_schedule(schedule)
     stages = len(schedule)
     virtual = stages * _chunk_count(schedule)
-    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> end tick
-    placed: list[list[Timed]] = [[] for _ in range(stages)]
-    free = [0] * stages
-
-    def needs(stage: int, action: Action) -> list[tuple[str, int, int]]:
-        j = action.chunk * stages + stage
-        if action.kind == "F":
-            return [("F", j - 1, action.micro)] if j > 0 else []
-        if action.kind == "W":
-            return [("B", j, action.micro)]
-        after = [("B", j + 1, action.micro)] if j < virtual - 1 else []
-        return [*after, ("F", j, action.micro)]
-
+    done: dict[Dependency, float] = {}  # (kind, virtual stage, micro) -> end
+    placed: list[list[tuple[Action, float, float]]] = [[] for _ in range(stages)]
+    free: list[float] = [0] * stages
     progress = True
     while progress:
         progress = False
         for stage, actions in enumerate(schedule):
             while len(placed[stage]) < len(actions):
                 action = actions[len(placed[stage])]
-                deps = needs(stage, action)
+                deps = dependencies(stage, action, stages, virtual)
                 if any(dep not in done for dep in deps):
                     break
-                start = max([free[stage], *(done[dep] for dep in deps)])
-                end = start + ticks[action.kind]
-                placed[stage].append(Timed(action, start, end))
+                arrivals = [done[dep] + (hop if dep[1] % stages != stage else 0) for dep in deps]
+                start = max([free[stage], *arrivals])
+                end = start + length(stage, action)
+                placed[stage].append((action, start, end))
                 done[(action.kind, action.chunk * stages + stage, action.micro)] = end
                 free[stage] = end
                 progress = True
+    _raise_if_stuck(schedule, placed, virtual // stages)
+    return placed
 
+
+def _raise_if_stuck(schedule: Schedule, placed: list[list], chunks: int) -> None:
     stuck = [
-        f"stage {stage} at {actions[len(placed[stage])].label(chunks=virtual // stages)}"
+        f"stage {stage} at {actions[len(placed[stage])].label(chunks=chunks)}"
         for stage, actions in enumerate(schedule)
         if len(placed[stage]) < len(actions)
     ]
@@ -425,7 +452,6 @@ def simulate(
             + ", ".join(stuck)
             + " wait for inputs that are scheduled only after them."
         )
-    return placed
 
 
 def clock_table(

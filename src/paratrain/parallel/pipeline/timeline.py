@@ -75,6 +75,8 @@ class StageEvent:
     micro: int
     start: float
     end: float
+    chunk: int = 0
+    """The virtual stage this worker ran (interleaved 1F1B; 0 where the record has none)."""
 
     @property
     def duration(self) -> float:
@@ -186,7 +188,8 @@ def read_timeline(path: str | Path) -> Timeline:
                 peaks.append((number, record))
             else:
                 fields = {k: record[k] for k in _FIELDS[kind]}
-                work.append((number, StageEvent(kind=kind, **fields)))
+                chunk = _chunk_of(record, number, path)
+                work.append((number, StageEvent(kind=kind, chunk=chunk, **fields)))
     if meta is None:
         raise TimelineError(
             f'{path} has no meta line ({{"kind": "meta", "stages": ...}}), '
@@ -205,6 +208,13 @@ def read_timeline(path: str | Path) -> Timeline:
                 number,
                 f"names micro-batch {event.micro}, but the meta line says "
                 f"there are {meta['micro_batches']} (0-{meta['micro_batches'] - 1})",
+            )
+        if event.chunk >= meta.get("virtual_stages", 1):
+            _fail(
+                path,
+                number,
+                f"names chunk {event.chunk}, but the meta line says there are "
+                f"{meta.get('virtual_stages', 1)} virtual stage(s) per stage",
             )
         if event.end < event.start:
             _fail(path, number, f"ends before it starts (start {event.start}, end {event.end})")
@@ -241,6 +251,14 @@ def _parse_line(line: str, number: int, path: Path) -> dict[str, Any]:
             wanted = {int: "an integer", float: "a finite number", str: "a string"}[expected]
             _fail(path, number, f"has {name} = {json.dumps(value)}; expected {wanted}")
     return record
+
+
+def _chunk_of(record: dict[str, Any], number: int, path: Path) -> int:
+    """The optional ``chunk`` field (written by interleaved schedules only)."""
+    chunk = record.get("chunk", 0)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        _fail(path, number, f"has chunk = {json.dumps(chunk)}; expected an integer >= 0")
+    return chunk
 
 
 def _check_place(
