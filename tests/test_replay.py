@@ -16,11 +16,14 @@ import json
 import pytest
 
 from paratrain.parallel.pipeline.replay import (
+    Slot,
     message_time,
     replay,
     replayed_bubble,
     replayed_theory,
     stage_durations,
+    step_replay,
+    stepwise_theory,
     timeline_replay,
 )
 from paratrain.parallel.pipeline.schedules import (
@@ -28,6 +31,7 @@ from paratrain.parallel.pipeline.schedules import (
     ScheduleDeadlock,
     ScheduleError,
     build_schedule,
+    place_actions,
     simulated_bubble,
 )
 from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
@@ -116,10 +120,13 @@ TRUE = {
 HOP = 0.75e-3
 
 
-def _synthetic_run(tmp_path, name: str, stages: int, micro: int, chunks: int = 1):
+def _synthetic_run(
+    tmp_path, name: str, stages: int, micro: int, chunks: int = 1, *, late: float = 0.0
+):
     """Three steps of ``name`` replayed on TRUE (a stage's chunks alike; an unsplit B is
     B + W) and HOP, one second apart, written as the engine writes its timeline; step 0
-    runs everything 1 ms slower (warm-up), which the replay must leave out."""
+    runs everything 1 ms slower (warm-up), which the replay must leave out; with ``late``,
+    stage 1's B of micro-batch 0 takes that much longer in every step."""
     schedule = build_schedule(name, stages, micro, chunks)
     split = name.startswith("zb")
 
@@ -131,10 +138,15 @@ def _synthetic_run(tmp_path, name: str, stages: int, micro: int, chunks: int = 1
     records = [{**meta, "replicas": 1, **({"virtual_stages": chunks} if chunks > 1 else {})}]
     for step in range(3):
         slow = 1e-3 if step == 0 else 0.0
-        placed = replay(schedule, lambda s, c, k, slow=slow: seconds(s, c, k, slow), hop_s=HOP)
-        for stage, row in enumerate(placed.slots):
-            for slot in row:
-                a = slot.action
+
+        def length(stage, action, slow=slow):
+            extra = late if (stage, action.kind, action.micro) == (1, "B", 0) else 0.0
+            return seconds(stage, action.chunk, action.kind, slow) + extra
+
+        placed = place_actions(schedule, length, hop=HOP)
+        for stage, row in enumerate(placed):
+            for a, start, end in row:
+                slot = Slot(a, start, end)
                 records.append(
                     {
                         "kind": KINDS[a.kind],
@@ -172,6 +184,16 @@ def test_a_timeline_gives_back_its_pass_times_its_message_time_and_its_bubble(
     assert bubble == pytest.approx(truth.bubble, abs=1e-10)
     assert bubble == pytest.approx(measured_bubble(timeline), abs=1e-10)
     assert timeline_replay(timeline).replay.imbalance == pytest.approx(truth.imbalance, abs=1e-10)
+    assert stepwise_theory(timeline) == pytest.approx(truth.bubble, abs=1e-10)
+
+
+def test_a_step_replayed_on_its_own_passes_keeps_the_wait_a_late_pass_causes(tmp_path):
+    """Stage 1's backward of micro-batch 0 runs 3 units late in one step: the median
+    replay does not see it, the step's own replay waits as the run did."""
+    timeline, truth = _synthetic_run(tmp_path, "1f1b", 2, 4, 1, late=3.0)
+    steps = sorted({e.step for e in timeline.events})
+    assert stepwise_theory(timeline) == pytest.approx(measured_bubble(timeline), abs=1e-10)
+    assert step_replay(timeline, steps[1], hop_s=HOP).bubble > truth.bubble
 
 
 def test_a_timeline_with_several_rounds_per_step_is_refused(tmp_path):

@@ -6,6 +6,8 @@ counts, so each sum is exact in binary: the tests compare with ``==``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from paratrain.parallel.cost_model import Envelope, LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.pipeline.schedules import build_schedule, split_occupancy
 from paratrain.parallel.pipeline.split_cost import b_walk, kept_gradients, split_moments
@@ -77,3 +79,17 @@ def test_the_last_stages_moments_under_zb_h1():
         COSTS, samples, [0, 1], last, base=base, one=one, grads_kept=True, recompute=False
     )
     assert replicated[0] == moments[0] + grads  # replicas keep the gradients between steps
+
+
+def test_b_keeps_what_the_measure_found_except_where_w_walks_the_whole_layer():
+    """``kept_bytes`` (measured: each parameter-owning module's outputs' gradients) is
+    what B keeps for a layer; the model's first layer (its input carries no gradient) and
+    recompute (the whole-layer W) keep the output's gradient instead."""
+    kept = [
+        dataclasses.replace(layer, kept_bytes=Line(0.0, 7 * (i + 1)))
+        for i, layer in enumerate(COSTS.layers)
+    ]
+    costs = dataclasses.replace(COSTS, layers=tuple(kept))
+    assert kept_gradients(costs, 2, [0, 1]) == 2 * (3 + 14)
+    assert kept_gradients(costs, 2, [1]) == 2 * 14
+    assert kept_gradients(costs, 2, [0, 1], recompute=True) == 2 * (3 + 5)

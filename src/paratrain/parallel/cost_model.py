@@ -113,6 +113,11 @@ class LayerCost:
     largest_param_elements: int = 0
     """Elements of its largest trainable tensor (an optimizer step's temporaries scale
     with the tensor it is at)."""
+    kept_bytes: Line | None = None
+    """Bytes a split backward's B leaves alive for the layer's W when its input carries a
+    gradient (the gradients it keeps: each parameter-owning module's outputs' where W
+    takes them unit by unit, ``pipeline/weight_units``), measured; None where not
+    measured (the output's gradient is then assumed)."""
 
 
 @dataclass(frozen=True)

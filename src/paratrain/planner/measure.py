@@ -57,6 +57,7 @@ from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layer_profile import detached, storage_key, tensors_in
 from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.precision import Precision
+from paratrain.parallel.split_backward_kept import kept_for_weight_pass
 from paratrain.parallel.strategy import optimizer_from_factory
 from paratrain.parallel.tensor import mappings
 from paratrain.parallel.tensor.apply import apply_plan
@@ -461,24 +462,29 @@ def _measure_point(
     payload = sum(mappings.BYTES.values()) - bytes_before
     timed: dict[tuple, tuple[float, float]] = {}  # each distinct block timed once
     measured_peaks: dict[tuple, int] = {}  # and its live peak measured once
-    times, peaks = [], []
+    measured_kept: dict[tuple, int] = {}  # and what a split backward's B keeps
+    times, peaks, kept = [], [], []
     for i, layer in enumerate(layers):
         if trace.inputs[i] is None:
             times.append((0.0, 0.0))
             peaks.append([(0, 0)])
+            kept.append(0)
             continue
         key = block_signature(layer, trace.inputs[i])
         if key not in timed:
             timed[key] = _layer_times(layer, trace.inputs[i], autocast, repeats)
             measured_peaks[key] = _layer_live_peak(layer, trace.inputs[i], autocast)
+            measured_kept[key] = kept_for_weight_pass(layer, trace.inputs[i], autocast)
         times.append(timed[key])
         peaks.append(measured_peaks[key])
+        kept.append(measured_kept[key])
     return {
         "trace": trace,
         "times": times,
         "messages": messages,
         "bytes": payload,
         "live_peaks": peaks,
+        "kept": kept,
     }
 
 
@@ -536,6 +542,7 @@ def _layer_costs(
                 input_saved=line(lambda p, i=i: p["trace"].input_saved[i]),
                 input_bytes=line(lambda p, i=i: p["trace"].input_bytes[i]),
                 output_bytes=line(lambda p, i=i: p["trace"].output_bytes[i]),
+                kept_bytes=line(lambda p, i=i: p["kept"][i]),
                 time_s=line(lambda p, i=i: p["times"][i][1]),
                 forward_s=line(lambda p, i=i: p["times"][i][0]),
                 transient=envelope(i),

@@ -53,6 +53,8 @@ __all__ = [
     "replayed_bubble",
     "replayed_theory",
     "stage_durations",
+    "step_replay",
+    "stepwise_theory",
     "timeline_replay",
 ]
 
@@ -124,7 +126,10 @@ def replay(schedule: Schedule, durations: Durations, *, hop_s: float = 0.0) -> R
         raise ScheduleError(f"hop_s must be a number of seconds, not {hop_s!r}.")
     if not math.isfinite(hop_s) or hop_s < 0:
         raise ScheduleError(f"hop_s must be finite and >= 0, not {hop_s}.")
-    placed = place_actions(schedule, _seconds(durations), hop=float(hop_s))
+    return _as_replay(place_actions(schedule, _seconds(durations), hop=float(hop_s)))
+
+
+def _as_replay(placed: list) -> Replay:
     slots = [[Slot(action, start, end) for action, start, end in row] for row in placed]
     first = min(slot.start for row in slots for slot in row)
     makespan = max(slot.end for row in slots for slot in row) - first
@@ -241,6 +246,34 @@ def timeline_replay(timeline: Timeline, replica: int = 0) -> TimelineReplay:
     durations = stage_durations(timeline, replica)
     hop = message_time(timeline, replica)
     return TimelineReplay(durations, hop, replay(_schedule_of(timeline), durations, hop_s=hop))
+
+
+def step_replay(timeline: Timeline, step: int, replica: int = 0, *, hop_s: float = 0.0) -> Replay:
+    """One step's schedule replayed on that step's own passes, each lasting what it
+    measured, with ``hop_s`` per message: the idle time this schedule must have with
+    exactly these pass times. A run's passes vary from one micro-batch to the next (on a
+    shared CPU, by milliseconds), and a late pass makes its neighbours wait more than a
+    replay on median times shows; this replay keeps that wait as the schedule's own, so
+    what the run idles beyond it is the engine's (the gaps it leaves between passes)."""
+    schedule = _schedule_of(timeline)
+    rows = _round_events(timeline, schedule, step, replica)
+    took = {(e.stage, e.chunk, LETTER[e.kind], e.micro): e.duration for row in rows for e in row}
+
+    def length(stage: int, action: Action) -> float:
+        return took[stage, action.chunk, action.kind, action.micro]
+
+    return _as_replay(place_actions(schedule, length, hop=hop_s))
+
+
+def stepwise_theory(timeline: Timeline, replica: int = 0) -> float:
+    """The median over the measured steps of ``step_replay``'s bubble, with the run's
+    ``message_time``: the theory ``measured_bubble`` (a median over the same steps) is
+    compared with to judge the engine rather than the machine's noise."""
+    hop = message_time(timeline, replica)
+    return statistics.median(
+        step_replay(timeline, step, replica, hop_s=hop).bubble
+        for step in measured_steps(timeline, replica)
+    )
 
 
 def replayed_theory(timeline: Timeline, replica: int = 0) -> tuple[float, float]:

@@ -122,6 +122,8 @@ class LayerTape:
         for layer in reversed(self.layers):
             layer.grads = list(grads)
             grads = self._input_grads(layer)
+            if not layer.params:
+                layer.grads = []  # no W to keep them for
         return grads
 
     def backward_input_from_loss(self, loss: torch.Tensor) -> list[torch.Tensor]:

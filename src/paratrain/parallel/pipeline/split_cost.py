@@ -2,9 +2,11 @@
 
 ``split_backward.LayerTape`` runs B with ``retain_graph`` (W walks each layer's graph
 again), so B frees none of a micro-batch's saved tensors as it goes down, unlike one
-backward; and it keeps, per layer, the gradient that reached the layer's output until W.
-So between B and W a micro-batch holds its saved tensors *and* one output gradient per
-layer of the stage (``kept_gradients``). Neither is freed at the moments
+backward; and it keeps, per layer, the gradients W starts from: those of each parameter-
+owning module's outputs where W takes the layer unit by unit (``weight_units``), else the
+gradient that reached the layer's output. So between B and W a micro-batch holds its
+saved tensors *and* those gradients for every layer of the stage (``kept_gradients``,
+measured per layer by ``split_backward_kept``). Neither is freed at the moments
 ``cost.stage_moments`` models (a backward that releases each layer behind it), which is
 why a prediction without these moments fell 14-20% under the live count on a 2-stage gpt
 (``LiveTensors(trace=True)``: ``_input_grads``' sums and the retained forward's tensors
@@ -24,9 +26,22 @@ from paratrain.parallel.cost_model import ModelCosts
 from paratrain.parallel.pipeline.schedules import Action, split_occupancy
 
 
-def kept_gradients(costs: ModelCosts, samples: float, layers: list[int]) -> float:
-    """Bytes of the output gradients B keeps for W, per micro-batch: one per layer."""
-    return sum(costs.layers[i].output_bytes.at(samples) for i in layers)
+def kept_by_layer(costs: ModelCosts, samples: float, index: int, recompute: bool) -> float:
+    """Bytes of the gradients B keeps for one layer's W, per micro-batch: each parameter-
+    owning module's outputs' where W takes them one by one (``LayerCost.kept_bytes``),
+    else the layer's output's (under recompute, for the model's first layer, whose input
+    carries no gradient, and where the measure found no proof)."""
+    layer = costs.layers[index]
+    if recompute or index == 0 or layer.kept_bytes is None:
+        return layer.output_bytes.at(samples)
+    return layer.kept_bytes.at(samples)
+
+
+def kept_gradients(
+    costs: ModelCosts, samples: float, layers: list[int], recompute: bool = False
+) -> float:
+    """Bytes of the gradients B keeps for W, per micro-batch, over the stage's layers."""
+    return sum(kept_by_layer(costs, samples, i, recompute) for i in layers)
 
 
 def _beyond_saved(costs: ModelCosts, samples: float, index: int, recompute: bool) -> float:
@@ -40,11 +55,11 @@ def _beyond_saved(costs: ModelCosts, samples: float, index: int, recompute: bool
 
 def b_walk(costs: ModelCosts, samples: float, layers: list[int], recompute: bool) -> float:
     """B's highest moment down the stage beyond its saved tensors: at each layer, the
-    output gradients the layers above it keep, and its own backward's temporaries."""
+    gradients the layers above it keep, and its own backward's temporaries."""
     above = peak = 0.0
     for index in reversed(layers):
         peak = max(peak, above + _beyond_saved(costs, samples, index, recompute))
-        above += costs.layers[index].output_bytes.at(samples)
+        above += kept_by_layer(costs, samples, index, recompute)
     return peak
 
 
@@ -64,7 +79,7 @@ def split_moments(
     saved bytes per micro-batch holding activations, the kept output gradients, and the
     pass's own walk (``b_walk``, or one layer's weight-gradient temporaries for W)."""
     params = costs.param_bytes(layers)
-    kept = kept_gradients(costs, samples, layers)
+    kept = kept_gradients(costs, samples, layers, recompute)
     down = b_walk(costs, samples, layers, recompute)
     weights = max((_beyond_saved(costs, samples, i, recompute) for i in layers), default=0.0)
     moments, weighted = [], grads_kept
