@@ -21,15 +21,18 @@ from paratrain.parallel.pipeline.split_backward import LayerTape
 RTOL, ATOL = 6e-5, 1e-7
 
 
-def _grads_both_ways(layers: nn.Sequential, x: torch.Tensor) -> tuple[list, list, LayerTape]:
-    """(one backward's input and weight gradients, the tape's, the tape before W)."""
+def _grads_both_ways(
+    layers: nn.Sequential, x: torch.Tensor, *, whole: bool = False
+) -> tuple[list, list, list[bool]]:
+    """(one backward's input and weight gradients, the tape's, which of the tape's pieces
+    W takes unit by unit)."""
     torch.manual_seed(1)
     upstream = torch.randn_like(layers(x))
     x1 = x.detach().requires_grad_(True)
     layers(x1).backward(upstream)
     reference = [x1.grad, *[p.grad.clone() for p in layers.parameters()]]
     layers.zero_grad(set_to_none=True)
-    tape = LayerTape()
+    tape = LayerTape(whole=whole)
     x2 = x.detach().requires_grad_(True)
     tape.run(layers, (x2,), {})
     kinds = [layer.units is not None for layer in tape.layers]
@@ -134,4 +137,32 @@ def test_a_layer_w_takes_unit_by_unit_only_where_the_graph_proves_it_exact(layer
     layers = nn.Sequential(nn.Linear(8, 8), layer(), nn.Linear(8, 8))
     reference, split, kinds = _grads_both_ways(layers, torch.randn(5, 8))
     assert kinds == [True, per_unit, True]
+    _assert_same(reference, split)
+
+
+@pytest.mark.parametrize(
+    ("layer", "proved"),
+    [(_TiedHead, False), (_Twice, False), (_UsesLeak, False), (_Scaled, True)],
+    ids=["weight-used-outside-its-module", "module-called-twice", "inner-value-leaks", "nested"],
+)
+def test_an_uncut_chunk_equals_one_backward_and_one_that_fails_the_proof_says_so(layer, proved):
+    """``LayerTape(whole=True)``: the chunk uncut, one piece; where the graph fails the
+    proof, this micro-batch's W walks the whole chunk (exact) and ``whole`` turns False so
+    that the engine cuts the chunk from then on."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), layer(), nn.Linear(8, 8))
+    tape = LayerTape(whole=True)
+    tape.run(layers, (torch.randn(5, 8, requires_grad=True),), {})
+    assert tape.whole is proved
+    reference, split, per_unit = _grads_both_ways(layers, torch.randn(5, 8), whole=True)
+    assert per_unit == [proved]
+    _assert_same(reference, split)
+
+
+def test_an_uncut_gpt_stage_equals_one_backward():
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=65, block_size=16, n_layer=3, n_head=4, n_embd=32)
+    blocks = nn.Sequential(*list(model)[1:5])
+    reference, split, per_unit = _grads_both_ways(blocks, torch.randn(4, 16, 32), whole=True)
+    assert per_unit == [True]
     _assert_same(reference, split)

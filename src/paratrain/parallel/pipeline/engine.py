@@ -205,6 +205,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.schedule_name = schedule
         self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
         self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
+        self._cut_chunks: set[int] = set()
+        """Chunks a split backward runs cut between layers: one micro-batch's graph failed
+        the proof that lets W take the uncut chunk unit by unit (``LayerTape(whole=)``)."""
         if self.split_backward:
             refuse_for_split_backward(model, schedule)
         self.mesh = build_mesh(layout)
@@ -590,9 +593,11 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             for leaf in _floating_leaves(x):  # their gradients go back to the stage before
                 leaf.requires_grad_(True)
         start = time.perf_counter()
-        tape = LayerTape() if self.split_backward else None
+        tape = LayerTape(whole=c not in self._cut_chunks) if self.split_backward else None
         with self.memory.forward(_key(m, c)), self.precision.autocast(self._device):
             y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs, tape=tape)
+        if tape is not None and not tape.whole:
+            self._cut_chunks.add(c)
             if chunk.last:
                 loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
                 loss_scale = self.precision.loss_factor()

@@ -81,17 +81,34 @@ class _Layer:
 class LayerTape:
     """One micro-batch's forward through one chunk, layer by layer, ready for B then W."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, whole: bool = False) -> None:
         self.layers: list[_Layer] = []
+        self.whole = whole
+        """Run the chunk uncut, as one piece W takes unit by unit; after ``run``, whether
+        that held (False where it was not tried or the graph did not prove it)."""
 
     def run(
-        self, layers: nn.Sequential, args: tuple, kwargs: dict, *, recompute: bool = False
+        self,
+        layers: nn.Sequential | list[nn.Module],
+        args: tuple,
+        kwargs: dict,
+        *,
+        recompute: bool = False,
     ) -> Any:
         """Call the layers as ``nn.Sequential`` would (the first on ``args``/``kwargs``,
-        each next on the previous one's output), cutting the graph between them. With
+        each next on the previous one's output). With ``whole`` (and an input that carries
+        a gradient, no recompute) uncut, the chunk one piece: B is then one backward to
+        the input and every unit's outputs, and a chunk whose graph fails the proof gets
+        one whole-chunk W this once (exact, B's work again) and ``whole`` False, so that
+        the engine cuts it from then on. Otherwise the graph is cut between layers. With
         ``recompute`` each layer keeps only its input and runs again in B and again in W
         (torch's checkpoint restores the random state, so dropout draws alike)."""
         inputs = [leaf for value in (*args, *kwargs.values()) for leaf in _graph_leaves(value)]
+        container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
+        owners = param_owners(container) if self.whole and inputs and not recompute else None
+        if owners:
+            return self._run_whole(layers, container, owners, inputs, args, kwargs)
+        self.whole = False
         value = None
         for index, layer in enumerate(layers):
             if index:
@@ -109,6 +126,20 @@ class LayerTape:
             record = _Layer(inputs, _graph_leaves(value), params, units=units)
             record.keep_graph = units is not None and overlapping(units)
             self.layers.append(record)
+        return value
+
+    def _run_whole(self, layers, container, owners, inputs, args, kwargs) -> Any:
+        with UnitRecorder(owners) as recorder:
+            value = None
+            for index, layer in enumerate(layers):
+                value = layer(*args, **kwargs) if index == 0 else layer(value)
+        outputs = _graph_leaves(value)
+        units = units_of(recorder, outputs)
+        params = [p for p in container.parameters() if p.requires_grad]
+        record = _Layer(inputs, outputs, params, units=units)
+        record.keep_graph = units is not None and overlapping(units)
+        self.layers = [record]
+        self.whole = units is not None
         return value
 
     @property
