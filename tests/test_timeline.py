@@ -371,6 +371,8 @@ def test_summarize_reports_the_numbers(tmp_path):
         "measured bubble     20.0%  (median over steps 1-2; the first recorded is left out" in text
     )
     assert "measured/theory     1.00" in text
+    own = next(line for line in text.splitlines() if "on its own passes" in line)
+    assert "20.0% (this schedule replayed on each step's own passes; measured/that 1.00)" in own
     assert "steps recorded      3 (0-2)" in text
     assert "balance             [3, 2]\n  recompute           False" in text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
@@ -418,6 +420,10 @@ def test_summarize_lists_each_replica(tmp_path):
     assert "  replica 0:\n    steps recorded    2 (0-1)\n    measured bubble   33.3%" in text
     assert "  replica 1:\n    steps recorded    2 (0-1)\n    measured bubble   40.0%" in text
     assert "    measured/theory   1.20" in text
+    # replica 1's stages are unequal (the second takes twice as long): the textbook bubble
+    # misses that, the replay on its own passes does not
+    own = [line for line in text.splitlines() if "on its own passes" in line]
+    assert "40.0%" in own[1] and "measured/that 1.00" in own[1]
 
 
 # ------------------------------------------------------------------ picture agrees with text

@@ -596,12 +596,12 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         tape = LayerTape(whole=c not in self._cut_chunks) if self.split_backward else None
         with self.memory.forward(_key(m, c)), self.precision.autocast(self._device):
             y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs, tape=tape)
-        if tape is not None and not tape.whole:
-            self._cut_chunks.add(c)
             if chunk.last:
                 loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
                 loss_scale = self.precision.loss_factor()
                 y = self._totals.scaled(loss, self.precision.loss_factor(scale), loss_scale)
+        if tape is not None and not tape.whole:
+            self._cut_chunks.add(c)
         if not chunk.last:
             chunk.link.send_activation(y, m)
             chunk.link.expect_gradient(m, y)

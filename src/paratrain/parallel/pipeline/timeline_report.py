@@ -12,6 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
+from paratrain.parallel.pipeline.replay import stepwise_theory
 from paratrain.parallel.pipeline.timeline import (
     WORK_KINDS,
     Timeline,
@@ -184,6 +185,18 @@ def summarize(run_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+def _own_passes(timeline: Timeline, replica: int, measured: float) -> str:
+    """The bubble the schedule must have with this run's own pass times, each step
+    replayed on them (``replay.stepwise_theory``): what the run idles beyond it is the
+    engine's gaps between passes, not the schedule or uneven stages."""
+    try:
+        own = stepwise_theory(timeline, replica)
+    except TimelineError as error:
+        return f"n/a ({error})"
+    ratio = f"measured/that {measured / own:.2f}" if own > 0 else "no bubble"
+    return f"{own:.1%} (this schedule replayed on each step's own passes; {ratio})"
+
+
 def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[str]:
     all_steps = timeline.steps(replica=replica)
     steps = measured_steps(timeline, replica)
@@ -202,6 +215,7 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
         _field(indent, "steps recorded", f"{len(all_steps)} ({compact_ranges(all_steps)})"),
         _field(indent, "measured bubble", f"{measured:.1%}  ({over})"),
         _field(indent, "measured/theory", ratio),
+        _field(indent, "on its own passes", _own_passes(timeline, replica, measured)),
         _field(indent, "drawn step", f"{drawn} (its bubble is the median; timeline.png)"),
     ]
     peaks = {s: b for (r, s), b in timeline.activation_peaks.items() if r == replica}
