@@ -166,3 +166,22 @@ def test_an_uncut_gpt_stage_equals_one_backward():
     reference, split, per_unit = _grads_both_ways(blocks, torch.randn(4, 16, 32), whole=True)
     assert per_unit == [True]
     _assert_same(reference, split)
+
+
+def test_an_uncut_first_stage_fed_token_ids_gets_every_weights_gradient():
+    """A first stage's input carries no gradient: its B makes the units' gradients only,
+    and W must still give the embedding and every block theirs."""
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    stage = nn.Sequential(*list(model)[:3])
+    tokens = torch.randint(0, 65, (4, 16))
+    upstream = torch.randn(4, 16, 32)
+    stage(tokens).backward(upstream)
+    reference = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad(set_to_none=True)
+    tape = LayerTape(whole=True)
+    tape.run(stage, (tokens,), {})
+    assert tape.whole and tape.backward_input([upstream]) == []
+    tape.backward_weight()
+    for p, ref in zip(stage.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.grad, ref, rtol=RTOL, atol=ATOL)

@@ -96,16 +96,16 @@ class LayerTape:
         recompute: bool = False,
     ) -> Any:
         """Call the layers as ``nn.Sequential`` would (the first on ``args``/``kwargs``,
-        each next on the previous one's output). With ``whole`` (and an input that carries
-        a gradient, no recompute) uncut, the chunk one piece: B is then one backward to
-        the input and every unit's outputs, and a chunk whose graph fails the proof gets
-        one whole-chunk W this once (exact, B's work again) and ``whole`` False, so that
-        the engine cuts it from then on. Otherwise the graph is cut between layers. With
+        each next on the previous one's output). With ``whole`` and no recompute, uncut,
+        the chunk one piece: B is then one backward to the input (none on a first stage,
+        fed data) and to every unit's outputs; a chunk whose graph fails the proof gets a
+        whole-chunk W this once (exact, B's work again) and ``whole`` False, so that the
+        engine cuts it from then on. Otherwise the graph is cut between layers. With
         ``recompute`` each layer keeps only its input and runs again in B and again in W
         (torch's checkpoint restores the random state, so dropout draws alike)."""
         inputs = [leaf for value in (*args, *kwargs.values()) for leaf in _graph_leaves(value)]
         container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
-        owners = param_owners(container) if self.whole and inputs and not recompute else None
+        owners = param_owners(container) if self.whole and not recompute else None
         if owners:
             return self._run_whole(layers, container, owners, inputs, args, kwargs)
         self.whole = False
@@ -168,12 +168,12 @@ class LayerTape:
 
     @staticmethod
     def _input_grads(layer: _Layer) -> list[torch.Tensor]:
-        if not layer.inputs:
-            return []
         if not layer.outputs:
             return [torch.zeros_like(i) for i in layer.inputs]
-        if layer.units is not None:
+        if layer.units is not None:  # before the inputs: a first stage's units have none
             return LayerTape._input_and_unit_grads(layer)
+        if not layer.inputs:
+            return []
         found = torch.autograd.grad(
             layer.outputs,
             layer.inputs,
@@ -191,6 +191,8 @@ class LayerTape:
         """B of a layer W takes unit by unit: the inputs' gradients, and each unit's
         outputs' gradients kept on the unit (the layer's output gradient is then let go)."""
         wanted = [out for unit in layer.units for out in unit.outputs]
+        if not wanted and not layer.inputs:
+            return []
         found = torch.autograd.grad(
             layer.outputs,
             [*layer.inputs, *wanted],
