@@ -77,6 +77,16 @@ def tensors_in(value: Any) -> list[Tensor]:
     return []
 
 
+def fresh_leaves(args: tuple) -> tuple:
+    """``args`` with each floating-point tensor a fresh leaf that needs a gradient, as a
+    pipeline stage's received input does (for a layer measured alone on its recorded
+    input)."""
+    return tuple(
+        v.detach().requires_grad_(True) if isinstance(v, Tensor) and v.is_floating_point() else v
+        for v in args
+    )
+
+
 def detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach()

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from paratrain.parallel.layer_profile import tensors_in
+from paratrain.parallel.layer_profile import fresh_leaves, tensors_in
 from paratrain.parallel.pipeline.split_backward import LayerTape
 from paratrain.runtime.live_tensors import LiveTensors
 
@@ -30,12 +30,7 @@ def kept_for_weight_pass(
     args, kwargs = recorded
     with LiveTensors() as live:
         live.exclude([*layer.parameters(), *layer.buffers(), *tensors_in([args, kwargs])])
-        a = tuple(
-            v.detach().requires_grad_(True)
-            if isinstance(v, Tensor) and v.is_floating_point()
-            else v
-            for v in args
-        )
+        a = fresh_leaves(args)
         tape = LayerTape()
         with torch.enable_grad(), autocast_of():
             tape.run([layer], a, kwargs)

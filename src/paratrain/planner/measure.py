@@ -54,7 +54,7 @@ from paratrain.parallel.batching import batch_size, map_tensors
 from paratrain.parallel.cost_model import Envelope, LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.inputs import call_model
-from paratrain.parallel.layer_profile import detached, storage_key, tensors_in
+from paratrain.parallel.layer_profile import detached, fresh_leaves, storage_key, tensors_in
 from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.split_backward_kept import kept_for_weight_pass
@@ -297,12 +297,7 @@ def _layer_live_peak(
     made = 0
     with LiveTensors() as live:
         live.exclude([*layer.parameters(), *layer.buffers(), *tensors_in([args, kwargs])])
-        a = tuple(
-            v.detach().requires_grad_(True)
-            if isinstance(v, Tensor) and v.is_floating_point()
-            else v
-            for v in args
-        )
+        a = fresh_leaves(args)
         with torch.enable_grad(), autocast_of():
             out = layer(*a, **kwargs)
         outs = [t for t in tensors_in(out) if t.requires_grad]
