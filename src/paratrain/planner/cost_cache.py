@@ -40,7 +40,7 @@ from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 7
+FORMAT = 8
 """Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
 optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines; 4: the
 module listing; 5: a pass's fixed seconds, ``pass_s``), so that a file of an older shape

@@ -469,7 +469,11 @@ def _measure_point(
         if key not in timed:
             timed[key] = _layer_times(layer, trace.inputs[i], autocast, repeats)
             measured_peaks[key] = _layer_live_peak(layer, trace.inputs[i], autocast)
-            measured_kept[key] = kept_for_weight_pass(layer, trace.inputs[i], autocast)
+            measured_kept[key] = (  # a split backward needs a layer list
+                kept_for_weight_pass(layer, trace.inputs[i], autocast)
+                if is_layer_list(subject)
+                else 0
+            )
         times.append(timed[key])
         peaks.append(measured_peaks[key])
         kept.append(measured_kept[key])

@@ -31,16 +31,15 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from paratrain.parallel.pipeline.structure import flatten, floating
+from paratrain.parallel.layer_profile import tensors_in
 
 
 def _graph_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.requires_grad and value.is_floating_point() else []
-    if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
-        return [v for v in value if v.requires_grad and v.is_floating_point()]
-    leaves, _ = flatten(value)
-    return [leaves[i] for i in floating(leaves) if leaves[i].requires_grad]
+    """The floating-point tensors in a module's arguments or outputs that carry a graph.
+    Tensors inside objects it does not know (a key-value cache) are not seen; a unit
+    whose outputs hide one then fails the proof (its inner nodes are consumed outside)
+    and its layer keeps the whole-layer W, so a miss costs speed, never exactness."""
+    return [t for t in tensors_in(value) if t.requires_grad and t.is_floating_point()]
 
 
 def _node(tensor: torch.Tensor) -> Any:
