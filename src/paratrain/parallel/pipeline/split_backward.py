@@ -2,16 +2,20 @@
 
 B computes the gradient of the stage's input (what the previous stage waits for); W the
 gradients of the stage's weights (which nobody waits for), later, where the schedule has
-an idle slot. Why layer by layer: ``torch.autograd.grad`` towards the input alone skips
-the weights' matrix products, but a later backward towards the weights from the stage's
-output would redo every layer's input-gradient chain. So the forward runs the layers one
-at a time and cuts the graph between them (each layer's input is a detached copy that
-requires grad, as a stage's received input is). B walks the layers down, asking each for
-its input's gradient only; W then asks for the weights' gradients. Inside a layer, W
-starts from each parameter-owning module's outputs where the graph proves that exact
-(``weight_units``: B keeps the gradient at each such output), so each product is done
-once; elsewhere from the gradient that reached the layer's output, which redoes the
-layer's work that lies between its weights and its output.
+an idle slot. ``torch.autograd.grad`` towards the input alone skips the weights' matrix
+products, but a later backward towards the weights from the stage's output would redo
+the whole input-gradient chain. So W starts from each parameter-owning module's outputs
+(``weight_units``): B asks for their gradients besides the input's and keeps them, and W
+runs one small backward per module to its own weights. That is exact where the graph
+proves every path from a weight to the output passes through its module's outputs,
+checked each micro-batch. A chunk runs uncut, one piece, while its graphs pass; once one
+fails (a weight also used outside its module, a module called twice), that micro-batch's
+W walks the whole chunk from its output (exact, B's work again) and the chunk is cut
+between layers from then on (each layer's input a detached copy that requires grad, as
+a stage's received input is): B walks the layers down, each proved on its own, and a
+layer that fails takes its W from the gradient that reached its output, redoing the
+layer's work between its weights and its output. Recompute always cuts (each layer is
+checkpointed).
 
 Exact: every gradient is the same product of the same tensors as in one backward; a
 Parameter used by several layers gets each layer's share from that layer's W, summed by
@@ -65,7 +69,8 @@ def _call(layer: nn.Module, args: tuple, kwargs: dict, recompute: bool) -> Any:
 @dataclass
 class _Layer:
     inputs: list[torch.Tensor]
-    """The layer's inputs that need a gradient (cut from the layer below)."""
+    """The layer's inputs that need a gradient (cut from the layer below; the chunk's own
+    for an uncut chunk's one record)."""
     outputs: list[torch.Tensor]
     """Its outputs that carry a graph."""
     params: list[nn.Parameter]
@@ -129,6 +134,8 @@ class LayerTape:
         return value
 
     def _run_whole(self, layers, container, owners, inputs, args, kwargs) -> Any:
+        """The chunk uncut, its units recorded; one record whose W is per unit if the
+        graph proves it, else the whole chunk's from its output (``whole`` then False)."""
         with UnitRecorder(owners) as recorder:
             value = None
             for index, layer in enumerate(layers):

@@ -29,8 +29,8 @@ from paratrain.parallel.pipeline.schedules import Action, split_occupancy
 def kept_by_layer(costs: ModelCosts, samples: float, index: int, recompute: bool) -> float:
     """Bytes of the gradients B keeps for one layer's W, per micro-batch: each parameter-
     owning module's outputs' where W takes them one by one (``LayerCost.kept_bytes``),
-    else the layer's output's (under recompute, for the model's first layer, whose input
-    carries no gradient, and where the measure found no proof)."""
+    else the layer's output's (under recompute, which walks whole layers; for the model's
+    first layer, fed data; and where the layer was not measured so)."""
     layer = costs.layers[index]
     if recompute or index == 0 or layer.kept_bytes is None:
         return layer.output_bytes.at(samples)

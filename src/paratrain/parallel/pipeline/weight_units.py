@@ -16,9 +16,10 @@ module, as in a head tied by ``F.linear(x, embedding.weight)``, or a module that
 inner value). ``units_of`` proves this on the graph the forward built, each micro-batch:
 from each unit's outputs downwards to its inputs it collects the unit's nodes, and
 accepts the unit only if no node but its outputs is consumed outside them and those
-outputs are consumed only at the slots the module returned. A layer any of whose
-parameters is not proved so keeps the whole-layer W (``split_backward.LayerTape``).
-The proof costs one walk of the layer's graph (15 us for a gpt block of 42 nodes).
+outputs are consumed only at the slots the module returned. A piece (an uncut chunk, or
+one layer of a cut one) any of whose parameters is not proved so takes its W whole, from
+its output (``split_backward.LayerTape``). The proof costs one walk of the piece's graph
+(15 us for a gpt block of 42 nodes).
 """
 
 from __future__ import annotations
