@@ -140,7 +140,10 @@ class TorchRunner:
             pipe_stages.append(
                 pipelining.PipelineStage(modules[-1], piece, len(bounds), torch.device("cpu"))
             )
-        self.optimizer = sgd([p for module in modules for p in module.parameters()])
+        params = [p for module in modules for p in module.parameters()]
+        # a worker whose pieces hold no parameters (an activation alone, at p x 2 pieces
+        # of a short layer list) has nothing to step; torch's optimizer refuses none
+        self.optimizer = sgd(params) if params else None
         self.first, self.last = rank == 0, rank == stages - 1
         kind = getattr(pipelining, PEERS[schedule])
         single = schedule in ("gpipe", "1f1b")  # torch's single-stage schedules take one
@@ -151,14 +154,16 @@ class TorchRunner:
         )
 
     def step(self, x, y) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         if self.first:
             self.schedule.step(x)
         elif self.last:
             self.schedule.step(target=y, losses=[])
         else:
             self.schedule.step()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
 
 def bench_worker(
