@@ -202,7 +202,7 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
         step, bubble = median_step(timeline)
         span = step_profile(timeline, step, 0)[0]
         (theory, formula), replayed = timeline.theory(), timeline_replay(timeline)
-        stepwise = stepwise_theory(timeline)
+        stepwise = stepwise_theory(timeline, hop_s=replayed.hop_s)
     median = slowest_rank([r["median_s"] for r in results])
     return {
         "median": median,

@@ -266,11 +266,12 @@ def step_replay(timeline: Timeline, step: int, replica: int = 0, *, hop_s: float
     return _as_replay(place_actions(schedule, length, hop=hop_s))
 
 
-def stepwise_theory(timeline: Timeline, replica: int = 0) -> float:
-    """The median over the measured steps of ``step_replay``'s bubble, with the run's
-    ``message_time``: the theory ``measured_bubble`` (a median over the same steps) is
-    compared with to judge the engine rather than the machine's noise."""
-    hop = message_time(timeline, replica)
+def stepwise_theory(timeline: Timeline, replica: int = 0, *, hop_s: float | None = None) -> float:
+    """The median over the measured steps of ``step_replay``'s bubble, with ``hop_s``
+    per message (the run's ``message_time`` where not given): the theory
+    ``measured_bubble`` (a median over the same steps) is compared with to judge the
+    engine rather than the machine's noise."""
+    hop = message_time(timeline, replica) if hop_s is None else hop_s
     return statistics.median(
         step_replay(timeline, step, replica, hop_s=hop).bubble
         for step in measured_steps(timeline, replica)

@@ -140,7 +140,8 @@ def units_of(recorder: UnitRecorder, layer_outputs: list[torch.Tensor]) -> list[
     accumulators = _accumulators(consumers)
     units = list(recorder.units.values())
     for unit in units:
-        own = {accumulators[id(p)] for p in unit.params if id(p) in accumulators}
+        unit.reached = [p for p in unit.params if id(p) in accumulators]
+        own = {accumulators[id(p)] for p in unit.reached}
         if unit.calls > 1 or (unit.calls == 0 and own):
             return None  # called twice, or its parameters used without it being called
         if unit.calls == 1 and not _private(unit, own, consumers):
@@ -201,7 +202,6 @@ def _private(unit: Unit, own: set[Any], consumers: dict[Any, list[Any]]) -> bool
             if not taken <= slots[node]:
                 return False  # a slot of the output node the module did not return
     unit.nodes = nodes
-    unit.reached = [p for p in unit.params if id(p) in {id(n.variable) for n in own}]
     return True
 
 
