@@ -91,9 +91,16 @@ def optimizer_kernels(strategy: str, options: dict) -> list:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "options"), [("dp", {}), ("pipeline", {"stages": 2, "micro_batches": 2})]
+    ("strategy", "options"),
+    [
+        ("dp", {}),
+        ("pipeline", {"stages": 2, "micro_batches": 2}),
+        ("zero1", {}),
+        ("zero2", {}),
+        ("zero3", {}),
+    ],
 )
-def test_dp_and_pipeline_engines_build_the_fused_kernel(strategy, options):
+def test_dp_pipeline_and_zero_engines_build_the_fused_kernel(strategy, options):
     import paratrain
 
     results = paratrain.launch(optimizer_kernels, devices=2, args=(strategy, options))

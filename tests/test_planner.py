@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.parallel.cost_model import Line, MachineCosts, Prediction, Run, ledger_at_peak
+from paratrain.parallel.cost_model import (
+    Curve,
+    Line,
+    MachineCosts,
+    Prediction,
+    Run,
+    ledger_at_peak,
+)
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.pipeline import cost as pipeline_cost
 from paratrain.parallel.pipeline.cost import exposed_hops, in_flight
@@ -177,6 +184,93 @@ def test_a_stage_pays_its_passes_fixed_cost_once_per_pass_of_each_micro_batch():
             assert more - less == pytest.approx(expected, rel=1e-9), (schedule, micro)
     whole = pipeline_cost.pass_overhead(paying, 8.0, list(range(len(costs.layers))), 2)
     assert whole == pytest.approx(0.0, abs=1e-12)  # one stage is the whole model: no more
+
+
+def test_a_stage_pays_the_runners_measured_seconds_once_per_micro_batch_and_chunk():
+    """``runner_probe``'s figure (messages, waits and bookkeeping per micro-batch) is
+    charged like a pass: on one core the step is every stage's work added up, so each
+    stage's m micro-batches of each chunk pay it once."""
+    costs = _flat_times(_mlp_costs(), 1e-4)
+    lines = {2: Line(1e-3, 1e-9)}
+    plain = MachineCosts(cores=1, backend="gloo", all_reduce=lines, send=Line.zero())
+    figure = 0.01
+    charged = dataclasses.replace(
+        plain, figures={"pipeline": {pipeline_cost.MICRO_BATCH_FIGURE: figure}}
+    )
+    run, layout = Run(devices=2, global_batch=16), Layout.over(2, stages=2)
+    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("1f1b", 2)):
+        for micro in (4, 8):
+            options = {"micro_batches": micro, "schedule": schedule, "virtual_stages": chunks}
+            more, less = (
+                pipeline_cost.predict(costs, costs, m, run, options, layout=layout).step_s
+                for m in (charged, plain)
+            )
+            # 2 stages x m micro-batches x chunks; float sums of the same terms
+            assert more - less == pytest.approx(2 * micro * chunks * figure, rel=1e-9)
+
+
+def test_the_pipeline_runners_seconds_per_micro_batch_are_measured_and_cached():
+    from paratrain.parallel.pipeline import runner_probe
+    from paratrain.planner import machine
+
+    figures = paratrain.launch(runner_probe.micro_batch_seconds, devices=2)
+    assert figures[0] == figures[1] > 0  # every worker gets the slowest one's figure
+    measured = dataclasses.replace(
+        pw.machine(), figures={"pipeline": {pipeline_cost.MICRO_BATCH_FIGURE: figures[0]}}
+    )
+    again = machine.from_json(machine.to_json(measured))
+    assert again == measured
+    assert again.figure("pipeline", pipeline_cost.MICRO_BATCH_FIGURE) == figures[0]
+    assert pw.machine().figure("pipeline", pipeline_cost.MICRO_BATCH_FIGURE) == 0.0
+
+
+def test_a_curve_joins_its_sizes_and_extends_its_end_segments():
+    curve = Curve.through({8: 5.0, 16: 6.0, 32: 7.0, 64: 11.0})
+    assert [curve.at(x) for x in (8, 12, 32, 48)] == [5.0, 5.5, 7.0, 9.0]
+    assert curve.at(4) == 4.5 and curve.at(128) == 19.0  # the end segments extended
+    assert Curve.through({8: 2.0}).at(100) == 2.0
+
+
+def test_the_whole_model_is_timed_at_each_size_accumulating_and_small_sizes_more_often():
+    """As an engine's micro-batch runs it: into gradient buffers that exist; a size of
+    1/k of the largest timed k times as often (each after one untimed run); the model's
+    gradients as they were afterwards."""
+    from paratrain.parallel.precision import Precision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    sizes, accumulating = [], []
+
+    def loss_fn(outputs, targets):
+        sizes.append(outputs.shape[0])
+        accumulating.append(all(p.grad is not None for p in model.parameters()))
+        return ((outputs - targets) ** 2).mean()
+
+    sample = (torch.randn(8, 4), torch.randn(8, 4))
+    autocast = Precision.of("fp32").autocast
+    seconds = measure._training_seconds(model, sample, [2, 4, 8], loss_fn, autocast, 3)
+    assert set(seconds) == {2, 4, 8} and all(s > 0 for s in seconds.values())
+    assert {n: sizes.count(n) for n in (2, 4, 8)} == {8: 1 + 3, 4: 1 + 6, 2: 1 + 12}
+    assert all(accumulating)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_layers_time_at_small_micro_batches_is_the_measured_not_a_line(monkeypatch):
+    """The whole model's times at the four sizes (here made up, no line through them)
+    are what the layers add up to at each size."""
+    made_up = {8: 10.0, 4: 6.0, 2: 5.0, 1: 4.5}
+    monkeypatch.setattr(measure, "_training_seconds", lambda model, sample, sizes, *rest: made_up)
+    costs = measure_model(
+        pw.model("mlp"),
+        pw.batch("mlp", 8),
+        loss_fn=pw.loss("mlp"),
+        optimizer=measure_optimizer(pw.adam),
+        tensor=1,
+    )
+    for size, seconds in made_up.items():
+        assert costs.time(size) == pytest.approx(seconds, rel=1e-12)  # shares sum to 1
+    assert costs.time(3) == pytest.approx(5.5, rel=1e-12)
+    assert 0 < costs.forward_time(1) < costs.time(1)
 
 
 def test_a_messages_line_never_falls_with_its_bytes():

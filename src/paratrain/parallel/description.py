@@ -132,6 +132,14 @@ class Strategy:
         return []
 
     @classmethod
+    def machine_figures(cls) -> dict[str, float]:
+        """Seconds of this strategy's own runtime on this machine that its ``predict``
+        needs beyond the collectives (``MachineCosts.figure``), measured inside a job with
+        the planner's collectives and cached with them: every worker calls it at the same
+        point and gets the same figures. None by default."""
+        return {}
+
+    @classmethod
     def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
         """The option sets the planner proposes for this strategy on ``devices`` workers
         (``layer_list``: whether the model is one, which recompute and stages need); none

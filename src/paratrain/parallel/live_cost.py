@@ -93,7 +93,7 @@ def step_temporaries(
 ) -> float:
     """Bytes an optimizer step makes and frees: at the largest tensor it updates
     (``largest_elements``; the model's largest parameter by default), ``fused`` where the
-    engine rebuilt it with the fused kernel (dp, tp, the pipeline)."""
+    engine rebuilt it with the fused kernel (dp, tp, the pipeline, ZeRO)."""
     if largest_elements is None:
         largest_elements = max((layer.largest_param_elements for layer in costs.layers), default=0)
     optimizer = costs.optimizer

@@ -35,15 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.parallel import cost_model
 from paratrain.parallel.cost_model import Envelope, LayerCost, Line, ModelCosts, OptimizerCost
 from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 8
+FORMAT = 9
 """Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
 optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines; 4: the
-module listing; 5: a pass's fixed seconds, ``pass_s``), so that a file of an older shape
+module listing; 5: a pass's fixed seconds, ``pass_s``; 9: a layer's seconds a ``Curve``
+through four sizes, timed with gradients accumulated), so that a file of an older shape
 is measured again rather than read with defaults."""
 
 
@@ -142,6 +144,10 @@ def costs_from_json(data: dict[str, Any], optimizer: OptimizerCost) -> ModelCost
 
     def field_of(name: str, value: Any) -> Any:
         if name in layer_lines:
+            return Line(**value)
+        if name in ("time_s", "forward_s"):
+            if "points" in value:
+                return cost_model.Curve(tuple((float(x), float(y)) for x, y in value["points"]))
             return Line(**value)
         if name == "kept_bytes":
             return None if value is None else Line(**value)

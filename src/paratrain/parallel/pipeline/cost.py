@@ -63,6 +63,8 @@ from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
 
 LOSS_BYTES = 4
+MICRO_BATCH_FIGURE = "micro_batch_s"
+"""The machine's figure of the runner's own seconds per micro-batch (``runner_probe``)."""
 
 
 def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: float):
@@ -238,12 +240,13 @@ def micro_batch_seconds(
 ) -> float:
     """One micro-batch's seconds on a stage: its layers' forward and backward (under
     ``recompute`` the forward again, in B and in W where ``split``), the copies of the
-    bytes it sends and receives (``boundaries``: ``_boundary_bytes``), and its passes'
-    fixed work."""
+    bytes it sends and receives (``boundaries``: ``_boundary_bytes``), the runner's own
+    seconds per micro-batch and chunk (``runner_probe``) and its passes' fixed work."""
     outs, grads_in = boundaries
     reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
     seconds = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
     seconds += machine.send.slope * (sum(outs) + sum(grads_in))  # the bytes' copies
+    seconds += chunks * machine.figure("pipeline", MICRO_BATCH_FIGURE)
     return seconds + pass_overhead(costs, samples, layers, passes_per_micro_batch(split, chunks))
 
 

@@ -18,8 +18,9 @@ from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import RunSpec, given
 from paratrain.parallel.pipeline import cost as pipeline_cost
-from paratrain.parallel.pipeline import timeline_report
+from paratrain.parallel.pipeline import runner_probe, timeline_report
 from paratrain.parallel.pipeline.chunks import refuse_for_virtual_stages
+from paratrain.parallel.pipeline.cost import MICRO_BATCH_FIGURE
 from paratrain.parallel.pipeline.engine import PipelineEngine
 from paratrain.parallel.pipeline.options import (
     BALANCE,
@@ -179,6 +180,11 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
                             layout["recompute"] = True
                         layouts.append(layout)
         return layouts
+
+    @classmethod
+    def machine_figures(cls) -> dict[str, float]:
+        """Its runner's seconds per micro-batch (``runner_probe``)."""
+        return {MICRO_BATCH_FIGURE: runner_probe.micro_batch_seconds()}
 
     @classmethod
     def predict(cls, costs_for, machine, run, options):

@@ -40,6 +40,15 @@ def units(costs: ModelCosts, stage: int, bucket_mb: float) -> int:
     return max(1, math.ceil(costs.param_bytes() / (bucket_mb * MiB)))
 
 
+def stage3_units(costs: ModelCosts, options: dict[str, Any]) -> tuple[int, float]:
+    """zero3's units as the engine picks them (``unit_sizes``), and the root's bytes:
+    what its collectives are counted by. Counted as a layer list's layers, a model that is
+    no layer list was one unit: Hugging Face GPT-2 (2 blocks and the root, 5 gathers and
+    3 reduce-scatters a step) was predicted 3 collectives and ran at twice its step."""
+    by_layer, root = units_by_layer(costs, options.get(UNITS.name))
+    return sum(len(sizes) for sizes in by_layer), root
+
+
 def live_moments(
     costs: ModelCosts,
     run: Run,
@@ -93,7 +102,7 @@ def live_moments(
         if stage == 3
         else bucket / max(1, params) * costs.elements()
     )
-    step = base + grads + step_temporaries(costs, unit_elements * shard)
+    step = base + grads + step_temporaries(costs, unit_elements * shard, fused=True)
     if stage == 3:  # the root and the unit in use during forward, with everything
         # forward saved; its reduce-scatters are each unit's, in backward
         by_layer, root = units_by_layer(costs, options.get(UNITS.name))
@@ -161,13 +170,21 @@ def predict(
     one = compute_seconds(costs, samples, accumulation, recompute)
     one += costs.optimizer.step_s_per_element * costs.elements() * shard
     compute = machine.compute_seconds(workers * one, one)
-    count = units(costs, stage, options.get("bucket_mb", 25.0))
-    communication = machine.reduce_scatter_s(params, replicas, messages=count)
-    communication += tensor_seconds(costs, machine, samples, accumulation)
-    if stage == 3:  # each unit gathered for forward and for backward, per micro-batch
-        gathers = 2 * accumulation
-        communication += machine.all_gather_s(gathers * params, replicas, gathers * count)
+    communication = tensor_seconds(costs, machine, samples, accumulation)
+    if stage == 3:
+        unit_count, root = stage3_units(costs, options)
+        held = 1 if root > 0 else 0
+        communication += machine.reduce_scatter_s(params, replicas, messages=unit_count + held)
+        # each unit gathered for forward and again for backward, the root once, per
+        # micro-batch
+        communication += machine.all_gather_s(
+            accumulation * (2 * (params - root) + root),
+            replicas,
+            messages=accumulation * (2 * unit_count + held),
+        )
     else:  # the updated slices back into every replica's parameters
+        count = units(costs, stage, options.get("bucket_mb", 25.0))
+        communication += machine.reduce_scatter_s(params, replicas, messages=count)
         communication += machine.all_gather_s(params, replicas, messages=count)
     return Prediction.of(
         memory, compute_s=compute, communication_s=communication, workers=workers, machine=machine
