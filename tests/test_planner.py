@@ -231,10 +231,12 @@ def test_a_curve_joins_its_sizes_and_extends_its_end_segments():
     assert Curve.through({8: 2.0}).at(100) == 2.0
 
 
-def test_the_whole_model_is_timed_at_each_size_accumulating_and_small_sizes_more_often():
+def test_the_whole_model_is_timed_at_each_size_accumulating_and_small_sizes_more_often(
+    monkeypatch,
+):
     """As an engine's micro-batch runs it: into gradient buffers that exist; a size of
-    1/k of the largest timed k times as often (each after one untimed run); the model's
-    gradients as they were afterwards."""
+    1/k of the largest timed k times as often while its runs are short (each after one
+    untimed run); the model's gradients as they were afterwards."""
     from paratrain.parallel.precision import Precision
 
     torch.manual_seed(0)
@@ -253,6 +255,11 @@ def test_the_whole_model_is_timed_at_each_size_accumulating_and_small_sizes_more
     assert {n: sizes.count(n) for n in (2, 4, 8)} == {8: 1 + 3, 4: 1 + 6, 2: 1 + 12}
     assert all(accumulating)
     assert all(p.grad is None for p in model.parameters())
+    # runs too long for TIMED_SECONDS: every size its ``repeats`` only
+    sizes.clear()
+    monkeypatch.setattr(measure, "TIMED_SECONDS", 0.0)
+    measure._training_seconds(model, sample, [2, 4, 8], loss_fn, autocast, 3)
+    assert {n: sizes.count(n) for n in (2, 4, 8)} == {8: 1 + 3, 4: 1 + 3, 2: 1 + 3}
 
 
 def test_a_layers_time_at_small_micro_batches_is_the_measured_not_a_line(monkeypatch):
