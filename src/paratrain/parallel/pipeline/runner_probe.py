@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.parallel.strategy import create_engine
@@ -64,12 +63,8 @@ def micro_batch_seconds() -> float:
             seconds[micro].append(time.perf_counter() - start)
     for engine in engines.values():
         engine.close()
-    steps = {micro: _slowest(statistics.median(s[1:])) for micro, s in seconds.items()}
-    return max(0.0, (steps[MICRO_BATCHES] - steps[1]) / (MICRO_BATCHES - 1))
-
-
-def _slowest(seconds: float) -> float:
-    """The slowest worker's figure on every worker (a step ends when its last stage does)."""
-    out = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out[0])
+    # the slowest worker's medians, on every worker: a step ends when its last stage does
+    medians = [statistics.median(seconds[m][1:]) for m in (1, MICRO_BATCHES)]
+    steps = torch.tensor(medians, dtype=torch.float64)
+    comm.all_reduce_max(steps)
+    return max(0.0, float(steps[1] - steps[0]) / (MICRO_BATCHES - 1))
