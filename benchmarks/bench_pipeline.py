@@ -246,7 +246,7 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
         "bubble_measured": bubble,
         "bubble_theory": theory,
         "bubble_formula": runs[0]["formula"],
-        "bubble_ratio": bubble / theory,
+        "bubble_ratio": bubble / theory if theory else float("inf"),
         "bubble_replayed": replayed,
         "replayed_ratio": bubble / replayed,
         "bubble_stepwise": over_runs("stepwise"),

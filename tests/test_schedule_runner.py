@@ -11,6 +11,7 @@ from paratrain.parallel.pipeline.schedules import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    zb_h1,
 )
 
 
@@ -47,6 +48,13 @@ class _Passes:
         self.calls.append(("B", micro, last) + ((chunk,) if chunk else ()))
         return 0.0
 
+    def weight(self, micro: int, chunk: int, *, last: bool) -> float:
+        self.calls.append(("W", micro, last) + ((chunk,) if chunk else ()))
+        return 0.0
+
+    def after_last(self) -> None:
+        self.calls.append(("after last",))
+
 
 def _run(schedule, stage: int, *, final: bool, chunks: int = 1) -> tuple[list, list]:
     calls: list = []
@@ -68,12 +76,34 @@ def test_the_runner_follows_the_stage_list_and_marks_only_the_final_backward(mak
     assert calls.count(("book",)) == len(schedule[0]) == len(events)
     assert {e["step"] for e in events} == {7}
     assert [e["kind"][0].upper() for e in events] == [a.kind for a in schedule[0]]
+    # the final backward's own pass and booking come first, then what follows it
+    assert calls[-4][0] == "B" and calls[-4][2] is True
+    assert calls[-3:] == [("book",), ("after last",), ("flush",)]
+    assert calls.count(("after last",)) == 1
 
 
 def test_a_round_that_is_not_the_steps_last_marks_no_backward_last():
     calls, _ = _run(gpipe(2, 3), 1, final=False)
     assert calls[0] == ("begin", 3, False)
     assert not any(c[2] for c in calls if c[0] == "B")
+    assert ("after last",) not in calls
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_split_backward_marks_its_last_w_and_follows_it_outside_the_timed_pass(stage):
+    """Under ZB-H1 the step's last gradients are a W's: that W is marked, no B is, and
+    ``after_last`` (the loss handed back, the replicas' reduction) runs once, after the
+    W's event is recorded."""
+    schedule = zb_h1(2, 4)
+    calls, events = _run(schedule, stage, final=True)
+    passes = [c for c in calls if c[0] in ("F", "B", "W")]
+    assert [(c[0], c[1]) for c in passes] == [(a.kind, a.micro) for a in schedule[stage]]
+    assert not any(c[2] for c in passes if c[0] == "B")
+    assert [c[2] for c in passes if c[0] == "W"][-1] is True
+    assert sum(c[2] for c in passes if c[0] == "W") == 1
+    after = calls.index(("after last",))
+    assert calls[after - 1] == ("book",) and calls[after - 2][0] == "W"
+    assert len(events) == len(schedule[stage])
 
 
 def test_a_new_schedule_is_data_the_runner_executes_unchanged():

@@ -10,13 +10,21 @@ about 3e-5 relative, so rtol 6e-5 (atol 1e-7 for entries near 0). Measured: 0.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models import build_model
-from paratrain.parallel.pipeline.split_backward import LayerTape
+from paratrain.parallel.pipeline.split_backward import ChunkOwners, LayerTape
+from paratrain.parallel.pipeline.weight_units import (
+    UnitHooks,
+    UnitRecorder,
+    param_owners,
+    units_of,
+)
 
 RTOL, ATOL = 6e-5, 1e-7
 
@@ -168,9 +176,10 @@ def test_an_uncut_gpt_stage_equals_one_backward():
     _assert_same(reference, split)
 
 
-def test_an_uncut_first_stage_fed_token_ids_gets_every_weights_gradient():
-    """A first stage's input carries no gradient: its B makes the units' gradients only,
-    and W must still give the embedding and every block theirs."""
+def test_a_first_stage_fed_token_ids_defers_its_whole_backward_to_w():
+    """A first stage's input carries no gradient, so B has nothing to send back: it does
+    nothing (no weight has a gradient after it, no unit was recorded) and W, one whole
+    backward from the kept output gradient, gives the embedding and every block theirs."""
     torch.manual_seed(0)
     model = build_model("gpt", vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
     stage = nn.Sequential(*list(model)[:3])
@@ -181,7 +190,53 @@ def test_an_uncut_first_stage_fed_token_ids_gets_every_weights_gradient():
     stage.zero_grad(set_to_none=True)
     tape = LayerTape(whole=True)
     tape.run(stage, (tokens,), {})
-    assert tape.whole and tape.backward_input([upstream]) == []
+    assert [layer.units for layer in tape.layers] == [None]
+    assert tape.backward_input([upstream]) == []
+    assert all(p.grad is None for p in stage.parameters())
     tape.backward_weight()
     for p, ref in zip(stage.parameters(), reference, strict=True):
         torch.testing.assert_close(p.grad, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_a_rounds_owners_hook_each_owner_once_and_leave_no_hook_behind():
+    """The engine hooks a chunk's owners once for a round (``ChunkOwners``); every tape of
+    the round records through them, each micro-batch's units its own, and leaving the
+    round removes every hook, so the user's model keeps none."""
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=65, block_size=16, n_layer=3, n_head=4, n_embd=32)
+    blocks = nn.Sequential(*list(model)[1:4])
+    owners = param_owners(blocks)
+    with ChunkOwners(blocks) as chunk:
+        for module in blocks.modules():
+            assert len(module._forward_hooks) == (1 if module in owners else 0)
+        for _ in range(2):
+            x = torch.randn(4, 16, 32)
+            blocks(x.clone().requires_grad_(True)).backward(torch.ones(4, 16, 32))
+            reference = [p.grad.clone() for p in blocks.parameters()]
+            blocks.zero_grad(set_to_none=True)
+            tape = LayerTape(whole=True, owners=chunk)
+            out = tape.run(blocks, (x.clone().requires_grad_(True),), {})
+            assert tape.whole and len(tape.layers[0].units) == len(owners)
+            tape.backward_input([torch.ones_like(out)])
+            tape.backward_weight()
+            _assert_same(reference, [p.grad for p in blocks.parameters()])
+            blocks.zero_grad(set_to_none=True)
+    assert not any(module._forward_hooks for module in blocks.modules())
+
+
+def test_the_proof_pauses_the_cyclic_collector_and_restores_it():
+    """``units_of`` pauses gc for its walk and leaves it as it found it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            owners = param_owners(layer)
+            recorder = UnitRecorder(owners)
+            with UnitHooks(list(owners)) as hooks:
+                hooks.recorder = recorder
+                out = layer(torch.randn(2, 8, requires_grad=True))
+            assert units_of(recorder, [out]) is not None
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()

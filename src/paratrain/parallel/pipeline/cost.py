@@ -287,11 +287,12 @@ def predict(
         communication += EXTRA_SLOT_BYTES // 2 if replicas > 1 else 0
         widest = max([widest, *outs])
         steady = schedule != "gpipe" and micro > held
+        split_here = _stage_splits(split, stage, chunks)
         live = (
             _split_live(
                 costs, samples, layers, actions[stage], one, communication, replicas, recompute
             )
-            if split
+            if split_here
             else ()
         )
         memory = stage_memory(
@@ -300,7 +301,7 @@ def predict(
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
         per_micro = micro_batch_seconds(
-            costs, machine, samples, layers, (outs, grads_in), recompute, split, chunks
+            costs, machine, samples, layers, (outs, grads_in), recompute, split_here, chunks
         )
         if per_micro > slowest:
             slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro
@@ -308,8 +309,7 @@ def predict(
         largest_stage = max(largest_stage, costs.elements(layers))
     workers = replicas * stages * costs.tensor
     optimizer = costs.optimizer.step_s_per_element * largest_stage
-    # every stage's micro-batches, on every replica and tensor rank, against the chain of
-    # m + stages - 1 slots of the slowest stage
+    # every stage's micro-batches on every rank, against m + stages - 1 slowest-stage slots
     work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
     idle = idle_slots(schedule, stages, chunks, forward_share, micro_batches=micro)
     waits = exposed_hops(schedule, stages, micro) * machine.send.at(widest)
@@ -330,6 +330,13 @@ def predict(
         machine=machine,
         notes=(f"bubble {idle / (micro + idle):.0%}",),
     )
+
+
+def _stage_splits(split: bool, stage: int, chunks: int) -> bool:
+    """Whether a stage's backward runs split. A chunk fed data has no input gradient to
+    send: its B does nothing and its W is one whole backward (``LayerTape``), so the first
+    stage of one chunk holds and walks as a plain backward does, W in its place."""
+    return split and not (stage == 0 and chunks == 1)
 
 
 def _split_live(

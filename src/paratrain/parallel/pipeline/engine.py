@@ -47,6 +47,7 @@ is whole on every member.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -88,7 +89,11 @@ from paratrain.parallel.pipeline.partition import (
 )
 from paratrain.parallel.pipeline.runner import ScheduleRunner
 from paratrain.parallel.pipeline.schedules import build_schedule, splits_backward
-from paratrain.parallel.pipeline.split_backward import LayerTape, refuse_for_split_backward
+from paratrain.parallel.pipeline.split_backward import (
+    ChunkOwners,
+    LayerTape,
+    refuse_for_split_backward,
+)
 from paratrain.parallel.pipeline.split_points import (
     StagePlan,
     layer_list_balance,
@@ -576,9 +581,13 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
         scale = 1.0 / parts  # a mean's
         passes = _RoundPasses(self, micro_in, micro_tgt, scale)
-        self.runner.run_round(passes, micro_batches=micro, step=self.steps_taken + 1, final=final)
+        with ExitStack() as hooked:
+            if self.split_backward:
+                passes.owners = [hooked.enter_context(ChunkOwners(c.module)) for c in self.chunks]
+            step = self.steps_taken + 1
+            self.runner.run_round(passes, micro_batches=micro, step=step, final=final)
 
-    def _forward(self, m, c, micro_in, micro_tgt, held, scale: float) -> float:
+    def _forward(self, m, c, micro_in, micro_tgt, held, scale: float, owners=None) -> float:
         """Receive (or take) micro-batch ``m``, run chunk ``c``, pass the result on.
 
         Returns when the computation started, after the input arrived, so that waiting for
@@ -593,7 +602,10 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             for leaf in _floating_leaves(x):  # their gradients go back to the stage before
                 leaf.requires_grad_(True)
         start = time.perf_counter()
-        tape = LayerTape(whole=c not in self._cut_chunks) if self.split_backward else None
+        tape = None
+        if self.split_backward:
+            whole, chunk_owners = c not in self._cut_chunks, owners[c] if owners else None
+            tape = LayerTape(whole=whole, owners=chunk_owners)
         with self.memory.forward(_key(m, c)), self.precision.autocast(self._device):
             y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs, tape=tape)
             if chunk.last:
@@ -654,22 +666,28 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         for leaf, grad in zip(received, grads, strict=False):
             leaf.grad = grad
 
-    def _weight(self, m: int, c: int, held, *, last: bool) -> float:
-        """W of a split backward: micro-batch ``m``'s weight gradients through chunk ``c``.
-
-        The step's last W passes the step's loss towards stage 0 and arms the replicas'
-        reduction after its gradients exist (each layer's W is a backward of its own, so
-        a Parameter used by two layers would count down its bucket twice while armed)."""
+    def _weight(self, m: int, c: int, held) -> float:
+        """W of a split backward: micro-batch ``m``'s weight gradients through chunk ``c``
+        (the step's last W is followed by ``_after_last_weight``)."""
         _, _, tape = held.pop((m, c))
-        if last:
-            self._step_loss = self._pass_loss_back(self._totals.contribution)
         start = time.perf_counter()
         with self.memory.recording(_key(m, c)):
             tape.backward_weight()
         self.memory.release(_key(m, c))
-        if last and self.reducer is not None:
-            self.reducer.arm(extras=self._step_loss)
         return start
+
+    def _after_last_weight(self) -> None:
+        """After the step's last W of a split backward: pass the step's loss towards stage
+        0 and arm the replicas' reduction, now that every gradient exists (each layer's W
+        is a backward of its own, so a Parameter used by two layers would count down its
+        bucket twice while armed). After the W, not before it: the loss comes from the
+        next stage's own last W, and waiting for it first held this stage's last W back
+        by up to a W (on a 2-stage gpt under ZB-H1, 15 ms of a 450 ms step)."""
+        if not self.split_backward:
+            return  # a backward that is not split passed the loss and armed at its start
+        self._step_loss = self._pass_loss_back(self._totals.contribution)
+        if self.reducer is not None:
+            self.reducer.arm(extras=self._step_loss)
 
     def _clip(self) -> None:
         """Clip by the norm over every stage (every worker takes part, a stage without
@@ -754,14 +772,19 @@ class _RoundPasses:
     def __init__(self, engine: PipelineEngine, micro_in: Any, micro_tgt: Any, scale: float):
         self.engine, self.micro_in, self.micro_tgt, self.scale = engine, micro_in, micro_tgt, scale
         self.held: dict[tuple[int, int], tuple[Any, Any, LayerTape | None]] = {}
+        self.owners: list[ChunkOwners] | None = None
+        """Each chunk's parameter owners, hooked for the round (a split backward's)."""
 
     def forward(self, micro: int, chunk: int) -> float:
         return self.engine._forward(
-            micro, chunk, self.micro_in, self.micro_tgt, self.held, self.scale
+            micro, chunk, self.micro_in, self.micro_tgt, self.held, self.scale, self.owners
         )
 
     def backward(self, micro: int, chunk: int, *, last: bool) -> float:
         return self.engine._backward(micro, chunk, self.held, last=last)
 
     def weight(self, micro: int, chunk: int, *, last: bool) -> float:
-        return self.engine._weight(micro, chunk, self.held, last=last)
+        return self.engine._weight(micro, chunk, self.held)
+
+    def after_last(self) -> None:
+        self.engine._after_last_weight()

@@ -11,7 +11,9 @@ The engine supplies the passes (``StagePasses``): run micro-batch ``m`` forward 
 this stage, or backward, where the step's final backward (``last``) also carries the
 step's loss and arms the replicas' gradient reduction. A zero-bubble schedule splits the
 backward: ``B`` then computes the input's gradient only and ``W`` the weights'; the
-step's last gradient is then a W's, so the last W is the one marked ``last``. An
+step's last gradient is then a W's, so the last W is the one marked ``last`` (and what
+must follow it, the loss handed back and the replicas' reduction, runs in
+``after_last``, outside its timed pass). An
 interleaved schedule gives a worker several chunks (virtual stages); each action names
 its chunk, and each chunk has its own link, the last chunk's carrying the step's loss
 back towards stage 0.
@@ -44,6 +46,11 @@ class StagePasses(Protocol):
     def backward(self, micro: int, chunk: int, *, last: bool) -> float: ...
 
     def weight(self, micro: int, chunk: int, *, last: bool) -> float: ...
+
+    def after_last(self) -> None:
+        """After the step's last pass that makes gradients, once its event is recorded:
+        what needs that pass done but must not delay it (a split backward's loss hand-
+        back, which waits on the next stage, and the replicas' reduction)."""
 
 
 class ScheduleRunner:
@@ -102,5 +109,7 @@ class ScheduleRunner:
                 event["chunk"] = action.chunk
             self.events.append(event)
             self.memory.book_communication()
+            if last:
+                passes.after_last()
         for link in self.links:
             link.flush()

@@ -15,7 +15,8 @@ between layers from then on (each layer's input a detached copy that requires gr
 a stage's received input is): B walks the layers down, each proved on its own, and a
 layer that fails takes its W from the gradient that reached its output, redoing the
 layer's work between its weights and its output. Recompute always cuts (each layer is
-checkpointed).
+checkpointed). A chunk fed data (the first) has no input gradient to send: its B does
+nothing and its W is the chunk's one whole backward, as torch's zero-bubble stages do.
 
 Exact: every gradient is the same product of the same tensors as in one backward; a
 Parameter used by several layers gets each layer's share from that layer's W, summed by
@@ -35,6 +36,7 @@ from paratrain.parallel.layers import is_layer_list
 from paratrain.parallel.pipeline.structure import flatten, floating, unflatten
 from paratrain.parallel.pipeline.weight_units import (
     Unit,
+    UnitHooks,
     UnitRecorder,
     overlapping,
     param_owners,
@@ -83,14 +85,58 @@ class _Layer:
     """Whether a unit's W must leave the graph for another's (nested units)."""
 
 
+class ChunkOwners:
+    """What ``LayerTape`` needs of a chunk's modules, found once for a round of the
+    schedule rather than on each forward (a walk of every module, 0.1-0.3 ms a
+    micro-batch): the parameter owners of the whole chunk and of each layer, their
+    parameters, and one forward hook on every owner while the round runs (``UnitHooks``).
+    Built anew each round, so a parameter frozen between steps is seen."""
+
+    def __init__(self, layers: nn.Module | list[nn.Module]) -> None:
+        container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
+        self.layers = list(layers)
+        self.owners = param_owners(container)
+        """The whole chunk's owners, None if a parameter has two (see ``param_owners``)."""
+        self.params = [p for p in container.parameters() if p.requires_grad]
+        self.layer_owners = [param_owners(layer) for layer in self.layers]
+        self.layer_params = [
+            [p for p in layer.parameters() if p.requires_grad] for layer in self.layers
+        ]
+        modules = dict.fromkeys(self.owners or {})
+        for owners in self.layer_owners:
+            modules.update(dict.fromkeys(owners or {}))
+        self.hooks = UnitHooks(list(modules))
+
+    def __enter__(self) -> ChunkOwners:
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.__exit__(*exc)
+
+    def record(self, owners: dict[nn.Module, list[nn.Parameter]], call, *args, **kwargs):
+        """``call(*args, **kwargs)`` with the calls of ``owners`` recorded; returns its
+        value and the recorder."""
+        recorder = UnitRecorder(owners)
+        self.hooks.recorder = recorder
+        try:
+            value = call(*args, **kwargs)
+        finally:
+            self.hooks.recorder = None
+        return value, recorder
+
+
 class LayerTape:
     """One micro-batch's forward through one chunk, layer by layer, ready for B then W."""
 
-    def __init__(self, *, whole: bool = False) -> None:
+    def __init__(self, *, whole: bool = False, owners: ChunkOwners | None = None) -> None:
         self.layers: list[_Layer] = []
         self.whole = whole
         """Run the chunk uncut, as one piece W takes unit by unit; after ``run``, whether
         that held (False where it was not tried or the graph did not prove it)."""
+        self.owners = owners
+        """The chunk's owners with their hooks in place (the engine's, for the round);
+        None: found, and hooked, for this run alone."""
 
     def run(
         self,
@@ -105,45 +151,66 @@ class LayerTape:
         the chunk one piece: B is then one backward to the input (none on a first stage,
         fed data) and to every unit's outputs; a chunk whose graph fails the proof gets a
         whole-chunk W this once (exact, B's work again) and ``whole`` False, so that the
-        engine cuts it from then on. Otherwise the graph is cut between layers. With
+        engine cuts it from then on. Otherwise the graph is cut between layers. A chunk
+        whose inputs need no gradient is run plainly, its backward left whole to W. With
         ``recompute`` each layer keeps only its input and runs again in B and again in W
         (torch's checkpoint restores the random state, so dropout draws alike)."""
+        if self.owners is not None:
+            return self._run(self.owners, layers, args, kwargs, recompute)
+        with ChunkOwners(layers) as owners:
+            return self._run(owners, layers, args, kwargs, recompute)
+
+    def _run(self, chunk: ChunkOwners, layers, args, kwargs, recompute: bool) -> Any:
         inputs = [leaf for value in (*args, *kwargs.values()) for leaf in _graph_leaves(value)]
-        container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
-        owners = param_owners(container) if self.whole and not recompute else None
-        if owners:
-            return self._run_whole(layers, container, owners, inputs, args, kwargs)
+        if not inputs:
+            return self._run_deferred(chunk, layers, args, kwargs, recompute)
+        if self.whole and not recompute and chunk.owners:
+            return self._run_whole(chunk, layers, inputs, args, kwargs)
         self.whole = False
         value = None
         for index, layer in enumerate(layers):
             if index:
                 value, inputs = _cut(value)
                 args, kwargs = (value,), {}
-            owners = None if recompute or not inputs else param_owners(layer)
+            owners = None if recompute or not inputs else chunk.layer_owners[index]
             units = None
             if owners:
-                with UnitRecorder(owners) as recorder:
-                    value = _call(layer, args, kwargs, recompute)
+                value, recorder = chunk.record(owners, layer, *args, **kwargs)
                 units = units_of(recorder, _graph_leaves(value))
             else:
                 value = _call(layer, args, kwargs, recompute)
-            params = [p for p in layer.parameters() if p.requires_grad]
-            record = _Layer(inputs, _graph_leaves(value), params, units=units)
+            record = _Layer(inputs, _graph_leaves(value), chunk.layer_params[index], units=units)
             record.keep_graph = units is not None and overlapping(units)
             self.layers.append(record)
         return value
 
-    def _run_whole(self, layers, container, owners, inputs, args, kwargs) -> Any:
+    def _run_deferred(self, chunk: ChunkOwners, layers, args, kwargs, recompute: bool) -> Any:
+        """A chunk whose inputs need no gradient (the first, fed data): B has nothing to
+        send back, so it does nothing and W is the chunk's one whole backward, as torch's
+        zero-bubble stages do on their first stage. Nothing to prove, no units; with
+        recompute each layer runs again once, in W."""
+        value = None
+        for index, layer in enumerate(layers):
+            if index:
+                args, kwargs = (value,), {}
+            value = _call(layer, args, kwargs, recompute)
+        self.layers = [_Layer([], _graph_leaves(value), chunk.params)]
+        return value
+
+    def _run_whole(self, chunk: ChunkOwners, layers, inputs, args, kwargs) -> Any:
         """The chunk uncut, its units recorded; one record whose W is per unit if the
         graph proves it, else the whole chunk's from its output (``whole`` then False)."""
-        with UnitRecorder(owners) as recorder:
+
+        def forward() -> Any:
             value = None
             for index, layer in enumerate(layers):
                 value = layer(*args, **kwargs) if index == 0 else layer(value)
+            return value
+
+        value, recorder = chunk.record(chunk.owners, forward)
         outputs = _graph_leaves(value)
         units = units_of(recorder, outputs)
-        params = [p for p in container.parameters() if p.requires_grad]
-        record = _Layer(inputs, outputs, params, units=units)
+        record = _Layer(inputs, outputs, chunk.params, units=units)
         record.keep_graph = units is not None and overlapping(units)
         self.layers = [record]
         self.whole = units is not None

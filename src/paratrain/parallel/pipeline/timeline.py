@@ -114,10 +114,15 @@ class Timeline:
         return int(self.meta.get("virtual_stages", 1))
 
     def mean_times(self, replica: int = 0) -> dict[str, float]:
-        """Mean seconds per pass of each kind over the whole run (of those it recorded)."""
+        """Mean seconds per pass of each kind over the whole run (of those it recorded), on
+        the pieces fed by another: the first (stage 0's chunk 0) is fed data, so under a
+        split backward its B sends nothing and is empty and its W is the whole backward
+        (``split_backward.LayerTape``), which would read as no B and a long W."""
+        events = [e for e in self.events if e.replica == replica]
+        events = [e for e in events if (e.stage, e.chunk) != (0, 0)] or events
         means = {}
         for kind in WORK_KINDS:
-            durations = [e.duration for e in self.events if e.kind == kind and e.replica == replica]
+            durations = [e.duration for e in events if e.kind == kind]
             if durations:
                 means[kind] = sum(durations) / len(durations)
         return means
