@@ -94,14 +94,11 @@ class ChunkOwners:
 
     def __init__(self, layers: nn.Module | list[nn.Module]) -> None:
         container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
-        self.layers = list(layers)
         self.owners = param_owners(container)
         """The whole chunk's owners, None if a parameter has two (see ``param_owners``)."""
         self.params = [p for p in container.parameters() if p.requires_grad]
-        self.layer_owners = [param_owners(layer) for layer in self.layers]
-        self.layer_params = [
-            [p for p in layer.parameters() if p.requires_grad] for layer in self.layers
-        ]
+        self.layer_owners = [param_owners(layer) for layer in layers]
+        self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
         modules = dict.fromkeys(self.owners or {})
         for owners in self.layer_owners:
             modules.update(dict.fromkeys(owners or {}))
@@ -244,7 +241,7 @@ class LayerTape:
     def _input_grads(layer: _Layer) -> list[torch.Tensor]:
         if not layer.outputs:
             return [torch.zeros_like(i) for i in layer.inputs]
-        if layer.units is not None:  # before the inputs: a first stage's units have none
+        if layer.units is not None:  # B also makes the units' output gradients for W
             return LayerTape._input_and_unit_grads(layer)
         if not layer.inputs:
             return []
