@@ -22,19 +22,22 @@ import torch.distributed as dist
 from paratrain.checkpoints.format import Checkpoint, load_model_state
 from paratrain.cli import main
 from paratrain.config import ConfigError, TrainConfig
-from paratrain.run.elastic import Change
+from paratrain.run.elastic import Change, generation_to_join
 from paratrain.run.elastic_checks import check_elastic
 from paratrain.run.faults import PHASES, Fault, planned_faults
 from paratrain.runtime.elastic import (
     ElasticReferee,
     ElasticTerms,
+    Generation,
     Post,
     admit,
     await_admission,
+    gather,
     is_communication_error,
     latest_generation,
     mark_elastic,
     next_generation,
+    post_members,
     read_post,
 )
 from tests.readme_examples import example_env
@@ -416,3 +419,25 @@ def test_a_job_torchrun_restarted_resumes_from_its_run_folder(monkeypatch, tmp_p
     again = resume_after_agent_restart(given)
     assert again.overwrite and again.resume is None
     assert "holds no checkpoint yet, so the job starts over there." in capsys.readouterr().err
+
+
+def test_a_member_dead_before_the_group_forms_moves_the_others_to_the_newer_generation():
+    """Two workers die a moment apart: the launcher posts generation 1 (members 0, 1, 3)
+    after the first death and generation 2 (0, 3) after the second. Worker 1 never
+    arrives at generation 1, so the survivors waiting there move on to generation 2 as
+    soon as it is posted, instead of forming a group that waits the whole timeout for a
+    dead member; a generation everyone reached is formed as it is."""
+    store = dist.HashStore()
+    post_members(store, next_generation(store), [0, 1, 3])
+    post_members(store, next_generation(store), [0, 3])
+    first = Generation(1, (0, 1, 3), 2)
+    assert gather(store, first, timeout_s=30.0) == 2  # worker 0: generation 2 is posted
+    store.add("paratrain/elastic/2/arrived", 1)  # ... and it arrives there
+    chosen = generation_to_join(store, 1, read_post(store, 1), 3, 2, 30.0)  # worker 3
+    assert (chosen.number, chosen.members) == (2, (0, 3))
+    with pytest.raises(RuntimeError, match="launch rank 1 was declared lost while alive"):
+        generation_to_join(store, 2, read_post(store, 2), 1, 2, 30.0)
+    whole = dist.HashStore()
+    post_members(whole, next_generation(whole), [0, 1])
+    whole.add("paratrain/elastic/1/arrived", 1)  # worker 1 arrived first
+    assert gather(whole, Generation(1, (0, 1), 2), timeout_s=30.0) is None

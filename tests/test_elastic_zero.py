@@ -70,9 +70,10 @@ def test_a_kill_with_shard_copies_goes_on_at_three_without_the_checkpoint(
 def test_two_ring_neighbours_lost_go_back_to_the_checkpoint(
     tmp_path, monkeypatch, uninterrupted_zero2, capfd
 ):
-    """Workers 1 and 2 die together before step 5 (both right after step 4's last message, so
-    the launcher sees both deaths at once): worker 1 held worker 2's only copy, so the
-    2 survivors go back to step 4's checkpoint, saying so, and end as the whole run."""
+    """Workers 1 and 2 die together before step 5 (both right after step 4's last message;
+    the launcher may see one death, post, then see the other, and the survivors then move
+    to its second post, ``gather``): worker 1 held worker 2's only copy, so the 2
+    survivors go back to step 4's checkpoint, saying so, and end as the whole run."""
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:5:start,kill:2:5:start")
     run_dir = tmp_path / "neighbours"
     assert train(run_dir, *ZERO2, "--shard-copies", "--checkpoint-every", "2") == 0

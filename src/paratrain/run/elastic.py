@@ -43,8 +43,10 @@ from paratrain.runtime.elastic import (
     await_admission,
     await_members,
     elastic_terms,
+    gather,
     is_communication_error,
     is_ready,
+    leave_group,
     mark_elastic,
     next_generation,
     read_post,
@@ -88,7 +90,7 @@ class ElasticWorker:
         announce_ready(store, launch_rank)
         number = await_admission(store, launch_rank, timeout_s=7 * 24 * 3600.0)
         post = read_post(store, number)
-        generation = Generation(number, post.members, min_devices, post.joining)
+        generation = generation_to_join(store, number, post, launch_rank, min_devices, timeout_s)
         reform(store, generation, launch_rank, terms.backend, timeout_s)
         return cls(launch_rank, min_devices, terms.backend, timeout_s, generation, store, True)
 
@@ -212,13 +214,31 @@ def engine_state(engine, carried: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def generation_to_join(
+    store: dist.Store, number: int, post: Post, launch_rank: int, min_devices: int, timeout_s: float
+) -> Generation:
+    """The generation this worker forms a group in: ``number`` as posted, or a newer one
+    where a member died before everyone arrived (``gather``), so its members may differ
+    from ``post``'s."""
+    while True:
+        generation = Generation(number, post.members, min_devices, post.joining)
+        if launch_rank not in generation.members:
+            raise RuntimeError(f"launch rank {launch_rank} was declared lost while alive.")
+        newer = gather(store, generation, timeout_s)
+        if newer is None:
+            return generation
+        number, post = newer, read_post(store, newer)
+
+
 def regroup(elastic: ElasticWorker, post: Post) -> Generation:
-    """Join the next generation's group (the caller dropped the old engine)."""
-    generation = Generation(
-        elastic.generation.number + 1, post.members, elastic.min_devices, post.joining
+    """Join the next generation's group (the caller dropped the old engine); its members
+    are the returned generation's, which may be newer than ``post``
+    (``generation_to_join``)."""
+    number = elastic.generation.number + 1
+    leave_group()  # first: a survivor still blocked in the old group waits on our sockets
+    generation = generation_to_join(
+        elastic.store, number, post, elastic.launch_rank, elastic.min_devices, elastic.timeout_s
     )
-    if elastic.launch_rank not in generation.members:
-        raise RuntimeError(f"launch rank {elastic.launch_rank} was declared lost while alive.")
     reform(elastic.store, generation, elastic.launch_rank, elastic.backend, elastic.timeout_s)
     elastic.generation = generation
     return generation

@@ -180,14 +180,16 @@ def _regroup(run: WorkerRun, post: Any, step: int, started: float, attempt: int)
     run.engine = build_engine(run.config, run.bundle)
     arm_faults(run.engine, attempt)
     if copies:  # the survivors' loaders stand alike: only the engine's state is put together
-        steps = take_offers(run.engine, own, post.members)
+        steps = take_offers(run.engine, own, generation.members)
     else:
         steps = take_furthest_state(run.engine, own)["steps"]
     run.train_tally = run.engine.tally(run.metric)
-    lost = tuple(sorted(set(old) - set(post.members)))
-    joined = tuple(sorted(set(post.members) - set(old)))
+    lost = tuple(sorted(set(old) - set(generation.members)))
+    joined = tuple(sorted(set(generation.members) - set(old)))
     redone = int(steps < step)
-    change = Change(step, len(old), len(post.members), lost, seconds_since(started), redone, joined)
+    change = Change(
+        step, len(old), len(generation.members), lost, seconds_since(started), redone, joined
+    )
     if run.lead and run.metrics is None:  # rank 0 died: its successor writes the records
         run.metrics = _metrics_writer(run.config, run.run_dir, run.started)
     if run.lead:

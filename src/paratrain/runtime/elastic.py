@@ -14,6 +14,14 @@ every reference to the old group (the whole engine) and destroys it, so its own 
 in turn. Measured on this machine: every survivor out of its collective within 20 ms of the
 kill, without waiting for any timeout.
 
+Two deaths a moment apart: the launcher may post a generation after the first death that
+still names the second worker. Forming that group would wait the whole timeout for it
+(``init_process_group`` reads each member's address from the store), so each member first
+leaves the old group (its sockets shut, which frees a survivor still blocked in it), then
+says it has arrived, and forms the group only once every member has; while one is
+missing and the launcher has posted a newer generation without it, the others move there
+(``gather``).
+
 Each generation's group lives under its own store prefix (``elastic/<generation>``), so a
 group formed after a death never reads a key the previous one wrote.
 
@@ -249,16 +257,49 @@ def close_group_sockets() -> None:
                 continue
 
 
-def reform(
-    store: dist.Store, generation: Generation, launch_rank: int, backend: str, timeout_s: float
-) -> None:
-    """Destroy the current default group and join the next generation's as the default
-    group (the caller has dropped every object that held the old one). Ranks are the
-    members' order: the lowest surviving launch rank becomes rank 0."""
+def leave_group() -> None:
+    """Close this worker's connections to its peers and destroy its default group, if it
+    has one (the caller has dropped every object that held it). Done before waiting for
+    the others at the next generation (``gather``): a survivor that is no neighbour of the
+    dead worker is still blocked in the old collective, and is freed only when a peer's
+    sockets close; waiting first would hold it there for the whole timeout."""
     close_group_sockets()
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def gather(store: dist.Store, generation: Generation, timeout_s: float) -> int | None:
+    """Arrive at ``generation`` and wait until all its members have: None then, or the
+    number of a newer generation the launcher posted meanwhile without one of them (a
+    member died before it arrived, as when two workers die a moment apart and the
+    launcher sees one death, then the other). Forming the group first would wait the
+    whole timeout for the dead member (``init_process_group`` reads each member's address
+    from the store); the survivors move on to the newer generation instead. After
+    ``timeout_s`` the group is formed anyway, so that its own error names what is missing."""
+    arrived = f"paratrain/elastic/{generation.number}/arrived"
+    store.add(arrived, 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.add(arrived, 0) >= len(generation.members):
+            return None
+        newest = latest_generation(store)
+        if newest > generation.number and posted(store, newest):
+            # a newer generation without one of ours: a member was lost; one that keeps
+            # them all admits replacements, which joins only after this one formed
+            if not set(generation.members) <= set(read_post(store, newest).members):
+                return newest
+        time.sleep(0.02)
+    return None
+
+
+def reform(
+    store: dist.Store, generation: Generation, launch_rank: int, backend: str, timeout_s: float
+) -> None:
+    """Leave the current default group (``leave_group``, where the caller has not yet)
+    and join the next generation's as the default group. Ranks are the members' order:
+    the lowest surviving launch rank becomes rank 0."""
+    leave_group()
     rank = generation.members.index(launch_rank)
     prefix = dist.PrefixStore(f"paratrain/elastic/{generation.number}", store)
     dist.init_process_group(
