@@ -11,7 +11,9 @@ stage per rank). torch has no ZB-H2: paratrain's ZB-H2 runs against the same
 round by round on the same global batches, so machine noise hits both alike.
 
 Reported: median step time (max over ranks), samples/s, the throughput ratio
-paratrain/torch, and paratrain's measured bubble next to two theories. The textbook one
+paratrain/torch, and paratrain's measured bubble next to torch's, measured the same way
+on its passes (``torch_passes``: what both idle beyond theory on this machine shows
+there), and next to two theories. The textbook one
 assumes equal stages and free messages (``Timeline.theory``: (p-1)/(m+p-1), (p-1)/(vm+p-1),
 or ZB-H1's (p-1)(F+B-W) from the run's mean pass times). The replayed one
 (``replay.timeline_replay``) places the schedule's own action lists on this run's median
@@ -21,10 +23,12 @@ stages. Pass times vary from micro-batch to micro-batch on a shared CPU, and a l
 makes its neighbours wait beyond what median times show, so a third theory replays each
 step on its own measured passes (``replay.stepwise_theory``): what the run idles beyond
 it is the engine's own gaps between passes, and the 10% goal is judged on it. The stage
-imbalance is the slowest stage's busy time over the fastest's. After the
-table: each ZB schedule's idle seconds per step over 1F1B's (the goal: ZB-H1 at most a
-third) and each row's goals. On a machine with fewer cores than workers the figures are
-contended (the bubble then partly measures waiting for a core): the table says so.
+imbalance is the slowest stage's busy time over the fastest's. After the table: each ZB
+schedule's idle seconds per step over 1F1B's (the goal: ZB-H1 at most a third), as the
+per-stage mean and as the busiest stage's (what bounds the step), beside the paper's
+(F+B-W)/(F+B+W) on the run's own pass times, and each row's goals. On a machine with
+fewer cores than workers the figures are contended (the bubble then partly measures
+waiting for a core): the table says so.
 
     python benchmarks/bench_pipeline.py            # full table
     python benchmarks/bench_pipeline.py --quick    # one short launch each
@@ -44,13 +48,20 @@ import torch
 import torch.distributed as dist
 from alternation import median_step_times, over_launches, slowest_rank
 from torch import nn
+from torch_passes import PassTimer, median_idle
 
 import paratrain
 from paratrain.models import build_model, loss_for
 from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.parallel.pipeline.partition import stage_bounds
 from paratrain.parallel.pipeline.replay import stepwise_theory, timeline_replay
-from paratrain.parallel.pipeline.timeline import median_step, read_timeline, step_profile
+from paratrain.parallel.pipeline.timeline import (
+    Timeline,
+    measured_steps,
+    median_step,
+    read_timeline,
+    step_profile,
+)
 
 # Layers of equal size, so that stages can be balanced at layer granularity and the bubble
 # compares with the theory, which assumes equal stages.
@@ -140,6 +151,9 @@ class TorchRunner:
             pipe_stages.append(
                 pipelining.PipelineStage(modules[-1], piece, len(bounds), torch.device("cpu"))
             )
+        self.timer = PassTimer(rank)  # torch's bubble, measured as ours (``torch_passes``)
+        for pipe_stage in pipe_stages:
+            self.timer.wrap(pipe_stage)
         params = [p for module in modules for p in module.parameters()]
         # a worker whose pieces hold no parameters (an activation alone, at p x 2 pieces
         # of a short layer list) has nothing to step; torch's optimizer refuses none
@@ -154,6 +168,7 @@ class TorchRunner:
         )
 
     def step(self, x, y) -> None:
+        self.timer.step += 1
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         if self.first:
@@ -181,6 +196,7 @@ def bench_worker(
         for x, y in batches[:2]:
             runner.step(x, y)
     ours.engine.events.clear()
+    runners["torch"].timer.passes.clear()
     medians = median_step_times(runners, batches, rounds=rounds, warmup=0)
     ours.engine.write_timeline(run_dir, last_steps=ours.engine.steps_taken)
     return {
@@ -188,7 +204,32 @@ def bench_worker(
         "peer": PEERS[schedule],
         "balance": ours.engine.balance,
         "activation_peak": ours.engine.activation_peak_bytes(),
+        "torch_passes": runners["torch"].timer.passes,
     }
+
+
+def busiest_stage_idle(timeline: Timeline) -> float:
+    """Median over the measured steps of the idle seconds of the stage with the most work
+    in that step: what the schedule adds to the step beyond the work that bounds it. The
+    per-stage mean idle also counts a lighter stage's waiting, which no schedule removes
+    (a zero-bubble first stage, fed data, has no input gradient to make and so does less
+    work than the others)."""
+    idles = []
+    for step in measured_steps(timeline, 0):
+        span, busy = step_profile(timeline, step, 0)
+        idles.append(span - max(busy.values()))
+    return statistics.median(idles)
+
+
+def zero_bubble_floor(timeline: Timeline) -> float | None:
+    """ZB-H1's idle over 1F1B's on equal stages with this run's mean pass times, from the
+    paper's formulas: (p-1)(F+B-W) over (p-1)(F+B+W). It is 1/3 only where W = (F+B)/2,
+    the paper's F = B = W; None for a schedule whose backward is not split."""
+    times = timeline.mean_times()
+    if not all(kind in times for kind in ("forward", "backward", "weight")):
+        return None
+    forward, backward, weight = times["forward"], times["backward"], times["weight"]
+    return (forward + backward - weight) / (forward + backward + weight)
 
 
 def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> dict:
@@ -204,6 +245,7 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
         (theory, formula), replayed = timeline.theory(), timeline_replay(timeline)
         stepwise = stepwise_theory(timeline, hop_s=replayed.hop_s)
     median = slowest_rank([r["median_s"] for r in results])
+    peer = median_idle([p for r in results for p in r["torch_passes"]], stages)
     return {
         "median": median,
         "bubble": bubble,
@@ -213,6 +255,11 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
         "replayed": replayed.bubble,
         "stepwise": stepwise,
         "replayed_idle_s": replayed.bubble * replayed.replay.makespan,
+        "busiest_idle_s": busiest_stage_idle(timeline),
+        "torch_bubble": peer.bubble,
+        "torch_idle_s": peer.idle_s,
+        "torch_busiest_idle_s": peer.busiest_idle_s,
+        "zb_floor": zero_bubble_floor(timeline),
         "hop_s": replayed.hop_s,
         "imbalance": replayed.replay.imbalance,
         "balance": results[0]["balance"],
@@ -244,6 +291,7 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
         "paratrain_over_torch": statistics.median(ratios),
         "paratrain_over_torch_range": [min(ratios), max(ratios)],
         "bubble_measured": bubble,
+        "torch_bubble_measured": over_runs("torch_bubble"),
         "bubble_theory": theory,
         "bubble_formula": runs[0]["formula"],
         "bubble_ratio": bubble / theory if theory else float("inf"),
@@ -256,7 +304,13 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
         "idle_s_per_step": {
             "measured": over_runs("idle_s"),
             "replayed": over_runs("replayed_idle_s"),
+            "busiest_stage": over_runs("busiest_idle_s"),
+            "torch": over_runs("torch_idle_s"),
+            "torch_busiest_stage": over_runs("torch_busiest_idle_s"),
         },
+        "zero_bubble_floor": (
+            statistics.median(r["zb_floor"] for r in runs) if runs[0]["zb_floor"] else None
+        ),
         "activation_peak_bytes": runs[0]["activation_peak"],
         "in_flight_theory": [
             in_flight(PEER_SCHEDULE.get(schedule, schedule), stages, s, micro, chunks)
@@ -317,11 +371,22 @@ def summary_lines(rows: list[dict]) -> list[str]:
             lines.append(f"  {where}: 1f1b not run, no ratio")
             continue
         met = _yes(row["goals"]["idle_at_most_a_third_of_1f1b"])
+        floor = row["zero_bubble_floor"]
         lines.append(
-            f"  {where}: measured {ratio['measured']:.2f} ({met}), replayed {ratio['replayed']:.2f}"
+            f"  {where}: measured {ratio['measured']:.2f} ({met}), replayed "
+            f"{ratio['replayed']:.2f}; the busiest stage's idle {ratio['busiest_stage']:.2f}"
+            + (f"; (F+B-W)/(F+B+W) on this run's passes {floor:.2f}" if floor else "")
+            + f"; torch's {PEERS[row['schedule']]} over its Schedule1F1B: "
+            f"{ratio['torch']:.2f}, the busiest stage's {ratio['torch_busiest_stage']:.2f}"
         )
     if not zb:
         lines.append("  no ZB schedule run")
+    else:
+        lines.append(
+            "  (the busiest stage's idle: what the schedule adds to the step beyond the work "
+            "that bounds it; (F+B-W)/(F+B+W): ZB-H1's over 1F1B's on equal stages with these "
+            "pass times, 1/3 only where W = (F+B)/2)"
+        )
     lines += ["", "Goals per row:"]
     for row in rows:
         goals = row["goals"]
@@ -342,12 +407,12 @@ def _yes(flag: bool) -> str:
 HEADER = (
     "| model | stages x micro | schedule (torch peer) | torch ms | paratrain ms "
     "| torch samples/s | paratrain samples/s | paratrain/torch (range) | bubble measured "
-    "| bubble textbook, equal stages | measured/textbook "
+    "| torch's bubble, measured alike | bubble textbook, equal stages | measured/textbook "
     "| bubble replayed (this run's stage times + hop) | measured/replayed | hop ms "
     "| bubble replayed on each step's own passes | measured/that "
     "| stage imbalance (slowest/fastest busy) "
     "| activation peak per stage (MiB) | in flight per stage (theory, stages' worth) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -361,7 +426,8 @@ def format_row(row: dict) -> str:
         f"| {ms['torch']} | {ms['paratrain']} | {row['samples_per_s']['torch']:.0f} "
         f"| {row['samples_per_s']['paratrain']:.0f} "
         f"| {row['paratrain_over_torch']:.2f} ({low:.2f}-{high:.2f}) "
-        f"| {row['bubble_measured']:.1%} | {row['bubble_theory']:.1%} "
+        f"| {row['bubble_measured']:.1%} | {row['torch_bubble_measured']:.1%} "
+        f"| {row['bubble_theory']:.1%} "
         f"| {row['bubble_ratio']:.2f} | {row['bubble_replayed']:.1%} "
         f"| {row['replayed_ratio']:.2f} | {row['hop_s'] * 1e3:.3f} "
         f"| {row['bubble_stepwise']:.1%} | {row['stepwise_ratio']:.2f} "

@@ -95,6 +95,71 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
     text = "\n".join(bench.summary_lines(rows))
     assert f"mlp 2 stages zb-h2: measured {ratio['measured']:.2f}" in text
     assert "mlp 2 x 8 1f1b: measured within 10% of replayed on its own passes: " in text
+    # the busiest stage's idle and the paper's floor on this run's passes, beside it
+    assert row["zero_bubble_floor"] is None  # 1F1B splits no backward
+    assert 0.0 < zb["zero_bubble_floor"] < 1.0
+    assert zb["idle_s_per_step"]["busiest_stage"] >= 0.0
+    busiest = zb["idle_s_per_step"]["busiest_stage"] / row["idle_s_per_step"]["busiest_stage"]
+    assert ratio["busiest_stage"] == busiest
+    assert f"the busiest stage's idle {busiest:.2f}" in text
+    for each in rows:  # torch's bubble, from its own passes' stamps
+        assert 0.0 < each["torch_bubble_measured"] < 1.0
+        assert each["idle_s_per_step"]["torch_busiest_stage"] >= 0.0
+    peer = zb["idle_s_per_step"]["torch"] / row["idle_s_per_step"]["torch"]
+    assert f"over its Schedule1F1B: {peer:.2f}" in text
+    assert f"(F+B-W)/(F+B+W) on this run's passes {zb['zero_bubble_floor']:.2f}" in text
+
+
+def test_torch_passes_measure_a_known_bubble(monkeypatch):
+    """Two stages, a step of 10 s: stage 0 busy 0-4 and 6-8 (a pass timed by two stamps
+    that overlap counts once), stage 1 busy 2-10, so idle 4 s and 2 s, bubble (0.4 +
+    0.2) / 2 = 0.3, the busiest stage's (stage 1's) idle 2 s; step 1, the first, is left
+    out as paratrain's timeline leaves out its first step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    passes_module = importlib.import_module("torch_passes")
+    TorchPass = passes_module.TorchPass
+    passes = [
+        TorchPass(1, 0, "forward", 0.0, 100.0),  # the first step: not measured
+        TorchPass(2, 0, "forward", 0.0, 3.0),
+        TorchPass(2, 0, "backward", 2.5, 4.0),
+        TorchPass(2, 0, "weight", 6.0, 8.0),
+        TorchPass(2, 1, "forward", 2.0, 10.0),
+    ]
+    (idle,) = passes_module.step_idles(passes, stages=2)
+    assert idle.bubble == pytest.approx(0.3)  # float64 rounding of a few sums: far inside 1e-6
+    assert idle.idle_s == pytest.approx(3.0) and idle.busiest_idle_s == pytest.approx(2.0)
+    assert passes_module.median_idle(passes, stages=2) == idle
+
+    class Stage:
+        def forward_one_chunk(self, micro):
+            return micro * 2
+
+    timer, stage = passes_module.PassTimer(stage=1), Stage()
+    timer.wrap(stage)  # a torch before 2.5: no split backward methods, only the forward
+    timer.step = 3
+    assert stage.forward_one_chunk(4) == 8
+    (stamped,) = timer.passes
+    assert (stamped.step, stamped.stage, stamped.kind) == (3, 1, "forward")
+    assert stamped.end >= stamped.start
+
+
+def test_the_zero_bubble_floor_is_a_third_where_the_passes_are_equal(monkeypatch):
+    """The paper's ZB-H1 over 1F1B, (F+B-W)/(F+B+W): 1/3 at F = B = W; a W cheaper than
+    half of F + B raises it: F = B = 2, W = 1 gives (2+2-1)/(2+2+1) = 3/5."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_pipeline")
+
+    class Passes:
+        def __init__(self, **times):
+            self.times = times
+
+        def mean_times(self):
+            return self.times
+
+    floor = bench.zero_bubble_floor
+    assert floor(Passes(forward=1.0, backward=1.0, weight=1.0)) == pytest.approx(1 / 3)
+    assert floor(Passes(forward=2.0, backward=2.0, weight=1.0)) == pytest.approx(3 / 5)
+    assert floor(Passes(forward=1.0, backward=1.0)) is None
 
 
 @pytest.mark.slow

@@ -383,17 +383,23 @@ def step_profile(timeline: Timeline, step: int, replica: int) -> tuple[float, di
     span = max(e.end for e in events) - min(e.start for e in events)
     if span <= 0:
         raise TimelineError(f"Step {step} of replica {replica} spans no time, so it has no bubble.")
-    busy = {}
-    for stage in range(timeline.stages):
-        intervals = sorted((e.start, e.end) for e in events if e.stage == stage)
-        total, reached = 0.0, -math.inf
-        for start, end in intervals:
-            start = max(start, reached)
-            if end > start:
-                total += end - start
-                reached = end
-        busy[stage] = total
+    busy = {
+        stage: covered_seconds([(e.start, e.end) for e in events if e.stage == stage])
+        for stage in range(timeline.stages)
+    }
     return span, busy
+
+
+def covered_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by ``(start, end)`` intervals, overlaps counted once (a stage's
+    passes of several chunks may overlap by a stamp's width)."""
+    total, reached = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        start = max(start, reached)
+        if end > start:
+            total += end - start
+            reached = end
+    return total
 
 
 def bubble_of(span: float, busy: dict[int, float]) -> float:
