@@ -308,9 +308,7 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
             "torch": over_runs("torch_idle_s"),
             "torch_busiest_stage": over_runs("torch_busiest_idle_s"),
         },
-        "zero_bubble_floor": (
-            statistics.median(r["zb_floor"] for r in runs) if runs[0]["zb_floor"] else None
-        ),
+        "zero_bubble_floor": (None if runs[0]["zb_floor"] is None else over_runs("zb_floor")),
         "activation_peak_bytes": runs[0]["activation_peak"],
         "in_flight_theory": [
             in_flight(PEER_SCHEDULE.get(schedule, schedule), stages, s, micro, chunks)
@@ -375,7 +373,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
         lines.append(
             f"  {where}: measured {ratio['measured']:.2f} ({met}), replayed "
             f"{ratio['replayed']:.2f}; the busiest stage's idle {ratio['busiest_stage']:.2f}"
-            + (f"; (F+B-W)/(F+B+W) on this run's passes {floor:.2f}" if floor else "")
+            + (f"; (F+B-W)/(F+B+W) on this run's passes {floor:.2f}" if floor is not None else "")
             + f"; torch's {PEERS[row['schedule']]} over its Schedule1F1B: "
             f"{ratio['torch']:.2f}, the busiest stage's {ratio['torch_busiest_stage']:.2f}"
         )
