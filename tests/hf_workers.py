@@ -8,8 +8,9 @@ import torch
 STEPS, BATCH, LENGTH, VOCAB = 4, 8, 12, 64
 
 
-def build(kind: str) -> torch.nn.Module:
-    """GPT-2 (its LM head tied to the token embedding) or a Llama (untied), no dropout."""
+def build(kind: str, layers: int = 2) -> torch.nn.Module:
+    """GPT-2 (its LM head tied to the token embedding) or a Llama (untied), no dropout,
+    with ``layers`` blocks."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -18,7 +19,7 @@ def build(kind: str) -> torch.nn.Module:
             vocab_size=VOCAB,
             n_positions=LENGTH,
             n_embd=32,
-            n_layer=2,
+            n_layer=layers,
             n_head=2,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
@@ -31,7 +32,7 @@ def build(kind: str) -> torch.nn.Module:
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=LENGTH,
@@ -71,13 +72,13 @@ def optimizer(name: str):
     )
 
 
-def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, **options):
-    """The model under ``strategy`` with the (sum, count) token loss."""
+def engine(strategy: str, kind: str, opt: str, accumulation: int = 1, layers: int = 2, **options):
+    """The model (``layers`` blocks) under ``strategy`` with the (sum, count) token loss."""
     import paratrain
     from paratrain.losses import causal_lm_cross_entropy
 
     return paratrain.setup(
-        build(kind),
+        build(kind, layers),
         optimizer=optimizer(opt),
         loss_fn=causal_lm_cross_entropy,
         strategy=strategy,

@@ -46,9 +46,9 @@ class Blocks(nn.Module):
         return self.head(hidden)
 
 
-def build(skip: bool = False) -> Blocks:
+def build(skip: bool = False, blocks: int = 4) -> Blocks:
     torch.manual_seed(0)
-    return Blocks(skip=skip)
+    return Blocks(blocks=blocks, skip=skip)
 
 
 def batches() -> list[tuple[dict, torch.Tensor]]:
@@ -71,10 +71,10 @@ def optimizer(name: str):
     return lambda params: torch.optim.Adam(params, lr=0.01, foreach=False)
 
 
-def plain_loop(opt: str, parts: int) -> tuple[dict, list[float]]:
+def plain_loop(opt: str, parts: int, blocks: int = 4) -> tuple[dict, list[float]]:
     """One process, the batch backpropagated in ``parts`` consecutive parts, each part's
     mean over ``parts``: the global mean's gradient, accumulated as the engine does."""
-    model = build()
+    model = build(blocks=blocks)
     optim = optimizer(opt)(model.parameters())
     losses = []
     for inputs, targets in batches():
@@ -90,12 +90,12 @@ def plain_loop(opt: str, parts: int) -> tuple[dict, list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def train_blocks(runs: list[tuple[str, dict]]) -> list[tuple[dict, list[float]]]:
+def train_blocks(runs: list[tuple[str, dict]], blocks: int = 4) -> list[tuple[dict, list[float]]]:
     """Each (optimizer, pipeline options) on ``Blocks``: its state and losses."""
     results = []
     for opt, options in runs:
         engine = paratrain.setup(
-            build(),
+            build(blocks=blocks),
             optimizer=optimizer(opt),
             loss_fn=nn.functional.mse_loss,
             strategy="pipeline",

@@ -31,11 +31,11 @@ from tests.test_parity_dp import TOLERANCE, relative_error
 pytest.importorskip("transformers", reason="the dev extra installs transformers")
 
 
-def plain_loop(kind: str, opt: str, parts: int = 1) -> tuple[dict, list[float]]:
+def plain_loop(kind: str, opt: str, parts: int = 1, layers: int = 2) -> tuple[dict, list[float]]:
     """Hugging Face's own loss over the whole batch; with ``parts`` > 1 accumulated over
     that many parts, each ``part_sum / N`` (see tests/test_loss_reduction.py for why Adam
-    is compared with the parts the engine has)."""
-    model = hf_workers.build(kind)
+    is compared with the parts the engine has); the model with ``layers`` blocks."""
+    model = hf_workers.build(kind, layers)
     optimizer = hf_workers.optimizer(opt)(model.parameters())
     losses = []
     for inputs, labels in hf_workers.batches():

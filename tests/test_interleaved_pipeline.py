@@ -14,7 +14,7 @@ from torch import nn
 
 import paratrain
 from paratrain.parallel.layers import LayerPieces
-from paratrain.parallel.pipeline.chunks import held_pieces, refuse_for_virtual_stages
+from paratrain.parallel.pipeline.chunks import held_pieces
 from paratrain.parallel.pipeline.schedules import (
     ScheduleError,
     build_schedule,
@@ -52,13 +52,6 @@ def test_ties_name_the_stage_of_each_piece():
     bounds = [(0, 1), (1, 2), (2, 3), (3, 4)]  # 2 stages x 2 chunks: pieces 0..3
     owners = {name: stage for name, _, stage in layer_list_stages(layers, bounds, "", stages=2)}
     assert [owners[f"{i}.weight"] for i in range(4)] == [0, 1, 0, 1]
-
-
-def test_what_does_not_compose_is_refused_in_one_sentence():
-    refuse_for_virtual_stages(nn.Linear(1, 1), 1)  # one chunk: nothing to refuse
-    with pytest.raises(ValueError, match="named split points; use virtual_stages=1"):
-        refuse_for_virtual_stages(nn.Linear(1, 1), 2)
-    refuse_for_virtual_stages(nn.Sequential(nn.Linear(1, 1)), 2)  # a layer list: runs
 
 
 def _check(results, cases, *, pieces):

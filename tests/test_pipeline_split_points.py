@@ -143,3 +143,40 @@ def test_split_points_of_a_layer_list_are_its_balance_and_parse_from_the_command
         "transformer.h.2",
         "transformer.h.4",
     ]
+
+
+def test_a_shape_only_run_is_remembered_by_its_arguments_shapes():
+    """Stage 1 meets stage 0's modules on meta each micro-batch; their outputs' shapes are
+    remembered, so a second forward of the same shapes runs none of them, and another
+    batch size runs them again. The output is the model's own either way."""
+    from paratrain.parallel.pipeline.stage_run import NamedStage
+
+    model = split_workers.build()
+    plan = plan_stages(model, 2, ["blocks.2"])
+    first = NamedStage(split_workers.build(), plan, [0], torch.device("cpu"))
+    second = NamedStage(split_workers.build(), plan, [1], torch.device("cpu"))
+    meta_calls: list[int] = []
+    second.model.blocks[0].mix.register_forward_hook(lambda *_: meta_calls.append(1))
+    for rows in (8, 8, 4):
+        x, _ = split_workers.batches()[0]
+        x = {key: value[:rows] for key, value in x.items()}
+        out = second.run(x, first.run(x), chunk=0)
+        assert torch.equal(out, model(**x))
+    assert len(meta_calls) == 2  # the first forward of 8 rows and the one of 4
+
+
+def test_only_arguments_that_say_all_a_shape_depends_on_are_remembered():
+    from paratrain.parallel.pipeline.stage_run import _signature
+
+    class Cache:  # stands for Hugging Face's key-value cache base class
+        pass
+
+    class DynamicCache(Cache):
+        pass
+
+    tensor = torch.zeros(2, 3)
+    assert _signature((tensor, None, 3, "x")) == _signature((torch.ones(2, 3), None, 3, "x"))
+    assert _signature((tensor,)) != _signature((torch.zeros(3, 3),))
+    assert _signature({"cache": DynamicCache(), "x": tensor}) is not None
+    assert _signature({"cache": DynamicCache()}, caches=False) is None  # an output
+    assert _signature((tensor, object())) is None

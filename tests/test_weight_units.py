@@ -206,7 +206,7 @@ def test_a_rounds_owners_hook_each_owner_once_and_leave_no_hook_behind():
     model = build_model("gpt", vocab_size=65, block_size=16, n_layer=3, n_head=4, n_embd=32)
     blocks = nn.Sequential(*list(model)[1:4])
     owners = param_owners(blocks)
-    with ChunkOwners(blocks) as chunk:
+    with ChunkOwners.of_layers(blocks) as chunk:
         for module in blocks.modules():
             assert len(module._forward_hooks) == (1 if module in owners else 0)
         for _ in range(2):

@@ -10,21 +10,12 @@ with each other at the same bar (not with one fp32 device, which rounds differen
 from __future__ import annotations
 
 import pytest
-from torch import nn
 
 import paratrain
-from paratrain.parallel.pipeline.split_backward import refuse_for_split_backward
 from tests import clip_workers, tie_workers, workers, zero_bubble_workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 ZB = {"stages": 2, "schedule": "zb-h1"}
-
-
-def test_what_a_split_backward_does_not_compose_with_is_refused_in_one_sentence():
-    layers = nn.Sequential(nn.Linear(1, 1))
-    refuse_for_split_backward(layers, "zb-h1")
-    with pytest.raises(ValueError, match="needs a layer list"):
-        refuse_for_split_backward(nn.Linear(1, 1), "zb-h2")
 
 
 def _close(state, values, ref_state, ref_values, label):

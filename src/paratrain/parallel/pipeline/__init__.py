@@ -2,11 +2,11 @@
 
 description.py      the strategy before any worker starts (layout, refusals, planning)
 engine.py           the engine (GPipe/1F1B/interleaved 1F1B, recompute, dp x pp hybrid)
-chunks.py           a worker's virtual stages (interleaved 1F1B): pieces, links, refusals
+chunks.py           a worker's virtual stages (interleaved 1F1B): pieces, links
 cost.py             the planner's arithmetic (balance, in-flight micro-batches, bubble)
 options.py          its options (stages, micro-batches, schedule, balance, split points)
 split_points.py     a model that is no layer list: stages at named blocks, who owns what
-stage_run.py        NamedStage: one stage of such a model, run through its own forward
+stage_run.py        NamedStage: a stage's pieces of such a model, run through its own forward
 schedules.py        GPipe, 1F1B, interleaved 1F1B as pure schedules + simulator
 partition.py        balance_by_cost and the refusals (pure)
 p2p.py              StageLink: tagged, pre-posted point-to-point messages

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.parallel.layers import is_layer_list
 from paratrain.parallel.pipeline.p2p import StageLink
 from paratrain.runtime.mesh import Mesh
 
@@ -28,26 +27,16 @@ class Chunk:
     """One virtual stage on this worker."""
 
     module: nn.Module
-    """Its layers, called one after another."""
+    """Its layers, called one after another (a model cut at named split points: the
+    whole model, run to the chunk's boundary)."""
     link: StageLink
     """Its messages with the neighbouring virtual stages."""
     first: bool
     """Virtual stage 0: it takes the batch's inputs."""
     last: bool
     """The last virtual stage: it computes the loss."""
-
-
-def refuse_for_virtual_stages(model: nn.Module, chunks: int) -> None:
-    """Refuse, in one sentence, what virtual stages do not compose with here. Split layers
-    (``tensor``) do: each chunk's planned layers are split over the stage's tensor group,
-    and each chunk's link joins the same tensor rank of its neighbours."""
-    if chunks == 1:
-        return
-    if not is_layer_list(model):
-        raise ValueError(
-            f"virtual_stages={chunks} cuts a layer list into stages x virtual_stages pieces, "
-            "but this model is cut at named split points; use virtual_stages=1 for it."
-        )
+    index: int = 0
+    """Its place among this worker's chunks."""
 
 
 def held_pieces(stage: int, stages: int, chunks: int) -> list[int]:
@@ -93,6 +82,7 @@ def build_chunks(modules: list[nn.Module], links: list[StageLink], mesh: Mesh) -
             link,
             first=mesh.is_first and index == 0,
             last=mesh.is_last and index == chunks - 1,
+            index=index,
         )
         for index, (module, link) in enumerate(zip(modules, links, strict=True))
     ]

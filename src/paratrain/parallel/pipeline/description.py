@@ -19,7 +19,6 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import RunSpec, given
 from paratrain.parallel.pipeline import cost as pipeline_cost
 from paratrain.parallel.pipeline import runner_probe, timeline_report
-from paratrain.parallel.pipeline.chunks import refuse_for_virtual_stages
 from paratrain.parallel.pipeline.cost import MICRO_BATCH_FIGURE
 from paratrain.parallel.pipeline.engine import PipelineEngine
 from paratrain.parallel.pipeline.options import (
@@ -35,7 +34,6 @@ from paratrain.parallel.pipeline.options import (
 )
 from paratrain.parallel.pipeline.partition import check_stages, validate_balance
 from paratrain.parallel.pipeline.schedules import SPLIT_SCHEDULES, build_schedule
-from paratrain.parallel.pipeline.split_backward import refuse_for_split_backward
 from paratrain.parallel.pipeline.split_points import (
     layer_list_balance,
     plan_stages,
@@ -84,9 +82,6 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         stages, balance = layout.stages * chunks, run.options.get(BALANCE.name)
         split_points = run.options.get(SPLIT_POINTS.name)
         model = run.build_model()
-        refuse_for_virtual_stages(model, chunks)
-        if schedule in SPLIT_SCHEDULES:
-            refuse_for_split_backward(model, schedule)
         if layout.tp_enabled:
             cls.check_tensor_plan(run, layout.tensor)
         if split_points is not None and is_layer_list(model):
@@ -97,7 +92,7 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
                 balance_by=given(run.options, BALANCE_BY),
                 recompute=given(run.options, RECOMPUTE),
             )
-            stage_plan = plan_stages(model, stages, split_points)
+            stage_plan = plan_stages(model, stages, split_points, virtual_stages=chunks)
             if layout.tp_enabled:
                 tensor_plan = resolve_plan(model, layout.tensor, run.options.get(PLAN_KEYWORD))
                 refuse_splits_across_stages(stage_plan, tensor_plan)

@@ -7,8 +7,9 @@ runs the model's own forward; everything below is the same for both.
 Each worker keeps only its stage's layers (the rest are moved to the meta device, which
 frees their memory) and builds the optimizer over those parameters alone. With
 ``virtual_stages = v`` a worker holds ``v`` non-adjacent pieces of the layer list instead
-(``chunks``), run by interleaved 1F1B. A schedule from ``schedules`` (GPipe, 1F1B,
-interleaved 1F1B) tells each stage the order of its forwards and backwards;
+(``chunks``), run by interleaved 1F1B (a model cut at named blocks: v non-adjacent
+pieces of its blocks in one module tree, ``stage_run``). A schedule from ``schedules``
+(GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2) tells each stage the order of its passes;
 activations and their gradients move between neighbours by point-to-point messages
 (``p2p``). With more workers than stages, each stage is replicated over a data-parallel
 group (``mesh``) whose members average that stage's gradients with the same bucketed
@@ -46,6 +47,7 @@ is whole on every member.
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -78,7 +80,6 @@ from paratrain.parallel.pipeline.chunks import (
     build_chunks,
     chunk_links,
     held_pieces,
-    refuse_for_virtual_stages,
 )
 from paratrain.parallel.pipeline.options import STAGES, micro_batches_per_replica
 from paratrain.parallel.pipeline.partition import (
@@ -92,7 +93,6 @@ from paratrain.parallel.pipeline.schedules import build_schedule, splits_backwar
 from paratrain.parallel.pipeline.split_backward import (
     ChunkOwners,
     LayerTape,
-    refuse_for_split_backward,
 )
 from paratrain.parallel.pipeline.split_points import (
     StagePlan,
@@ -101,9 +101,10 @@ from paratrain.parallel.pipeline.split_points import (
     refuse_for_split_points,
     refuse_splits_across_stages,
 )
-from paratrain.parallel.pipeline.stage_run import NamedStage
+from paratrain.parallel.pipeline.stage_run import NamedStage, shape_twins
 from paratrain.parallel.pipeline.structure import flatten, floating
 from paratrain.parallel.pipeline.ties import CrossStageTies, layer_list_stages, release_shared
+from paratrain.parallel.pipeline.weight_units import graph_tensors
 from paratrain.parallel.recompute import refuse_batchnorm
 from paratrain.parallel.replica_builder import replicate_stage
 from paratrain.parallel.replica_rng import separate_streams
@@ -168,8 +169,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     ``micro_batches`` per replica and step (default 2 x stages), ``schedule`` ("1f1b" or
     "gpipe"), ``balance`` (explicit layers per stage) or ``balance_by`` ("params", "time",
     "memory"; the last two need ``sample_input``; with virtual stages one entry per piece),
-    ``virtual_stages`` (chunks per worker, layer lists only), ``split_points`` (block names where
-    stages start, for a model that is not a layer list), ``recompute`` (keep only each stage's
+    ``virtual_stages`` (chunks per worker, of a layer list or at named blocks),
+    ``split_points`` (block names where stages start, for a model that is not a layer list;
+    stages x virtual_stages - 1 of them), ``recompute`` (keep only each stage's
     input per micro-batch and recompute the rest in backward), ``bucket_mb`` (gradient
     all-reduce buckets across replicas), ``tensor`` (workers each stage's split layers are
     spread over; 1 by default) and ``tp_plan`` (``setup`` only; see ``tensor/plan``).
@@ -200,7 +202,6 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         super().__init__(model, layout=layout, **shared)
         require_process_group(self.name)
         stages, chunks = layout.stages, layout.virtual_stages
-        refuse_for_virtual_stages(model, chunks)
         self._parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
         pieces = stages * chunks
         balance = self._check_cut(model, pieces, balance, balance_by, split_points, recompute)
@@ -213,8 +214,6 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self._cut_chunks: set[int] = set()
         """Chunks a split backward runs cut between layers: one micro-batch's graph failed
         the proof that lets W take the uncut chunk unit by unit (``LayerTape(whole=)``)."""
-        if self.split_backward:
-            refuse_for_split_backward(model, schedule)
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerPieces | None = None
@@ -281,32 +280,46 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         tp_plan: dict[str, str] | str | None,
     ) -> None:
         """A model that is no layer list: this stage runs the model's own forward with the
-        other stages' modules on meta (``stage_run``), its planned layers split first."""
-        plan = plan_stages(model, stages, split_points)
+        other stages' modules on meta (``stage_run``), its planned layers split first.
+        With virtual stages the model is cut into stages x v pieces and this stage holds
+        pieces ``held_pieces`` (as a layer list's), each a chunk run to its boundary."""
+        chunks = self.degrees.virtual_stages
+        plan = plan_stages(model, stages * chunks, split_points, virtual_stages=chunks)
+        pieces = held_pieces(self.mesh.stage, stages, chunks)
         self.balance, self.split_points = plan.balance, plan.split_points
-        # ties read before the split: a tie split by vocabulary is two slices afterwards
-        named = [(n, p, plan.owner[n]) for n, p in model.named_parameters(remove_duplicate=False)]
+        # ties read before the split: a tie split by vocabulary is two slices afterwards;
+        # piece j lives on stage j % stages
+        named = [
+            (n, p, plan.owner[n] % stages)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ]
+        twins = shape_twins(model, plan, pieces)  # of the modules as they are, unsplit
         if self.mesh.tensor > 1:
-            self._split_named(model, plan, tp_plan)
+            self._split_named(model, plan, pieces, tp_plan)
         self.ties = CrossStageTies(named, self.mesh)
-        self.named = NamedStage(model, plan, self.mesh.stage, self._device)
+        self.named = NamedStage(model, plan, pieces, self._device, twins)
         self.module = model  # the whole model; other stages' modules are on meta
+        if chunks > 1:  # each chunk runs the model's forward to its own boundary
+            self._chunk_modules = [model] * chunks
 
     def _split_named(
-        self, model: nn.Module, plan: StagePlan, tp_plan: dict[str, str] | str | None
+        self,
+        model: nn.Module,
+        plan: StagePlan,
+        pieces: list[int],
+        tp_plan: dict[str, str] | str | None,
     ) -> None:
-        """Split the planned layers inside the modules this stage alone holds over its
-        tensor group, from its first member's values (a split keeps every state name, so
-        ``plan.owner`` still names them). Between stages a block's arguments travel, which
-        are whole on every member (a rowwise layer's output is summed), so each member
-        exchanges them with the same tensor rank of the neighbouring stages unchanged."""
-        stage = self.mesh.stage
+        """Split the planned layers inside the modules this stage's pieces alone hold over
+        its tensor group, from its first member's values (a split keeps every state name,
+        so ``plan.owner`` still names them). Between stages a block's arguments travel,
+        which are whole on every member (a rowwise layer's output is summed), so each
+        member exchanges them with the same tensor rank of the neighbouring stages
+        unchanged."""
         owned = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-        state = {id(t): t for n, t in owned if plan.owner.get(n) == stage}
+        state = {id(t): t for n, t in owned if plan.owner.get(n) in pieces}
         comm.broadcast_tensors(list(state.values()), src=0, group=self.mesh.tensor_group)
-        self.tensor_split = split_model(
-            model, self.mesh, tp_plan=tp_plan, only=plan.modules_of(stage)
-        )
+        only = set().union(*(plan.modules_of(piece) for piece in pieces))
+        self.tensor_split = split_model(model, self.mesh, tp_plan=tp_plan, only=only)
         refuse_splits_across_stages(plan, self.tensor_split.whole_plan)  # alike on every rank
 
     def _start_replicas(self, bucket_mb: float) -> None:
@@ -371,11 +384,11 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     def _full_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every name of this stage's parameters (tied ones under each name they have)."""
         if self.named is not None:
-            own = self.named.plan.owner
+            own, pieces = self.named.plan.owner, self.named.pieces
             return [
                 (n, p)
                 for n, p in self.module.named_parameters(remove_duplicate=False)
-                if own.get(n) == self.mesh.stage
+                if own.get(n) in pieces
             ]
         named = self.module.named_parameters(remove_duplicate=False)
         return [(self.slice.canonical(n), p) for n, p in named]
@@ -583,7 +596,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         passes = _RoundPasses(self, micro_in, micro_tgt, scale)
         with ExitStack() as hooked:
             if self.split_backward:
-                passes.owners = [hooked.enter_context(ChunkOwners(c.module)) for c in self.chunks]
+                passes.owners = [hooked.enter_context(self._owners(c)) for c in self.chunks]
             step = self.steps_taken + 1
             self.runner.run_round(passes, micro_batches=micro, step=step, final=final)
 
@@ -742,13 +755,24 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         at split points runs its own forward on ``inputs`` (see ``stage_run``), the
         received tensors taking the place of the split block's arguments."""
         if self.named is not None:
-            return self.named.run(inputs, None if self.mesh.is_first else x)
+            received = None if chunk.first else x
+            run = functools.partial(self.named.run, inputs, received, chunk=chunk.index)
+            if tape is None:
+                return run()
+            needs = [] if received is None else [t for t in _floating_leaves(x) if t.requires_grad]
+            return tape.run_piece(run, needs, leaves_of=graph_tensors)
         args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
         if tape is not None:  # layer by layer, for a backward split into B and W
             return tape.run(chunk.module, args, kwargs, recompute=recompute)
         if recompute:
             return checkpoint(chunk.module, *args, use_reentrant=False, **kwargs)
         return chunk.module(*args, **kwargs)
+
+    def _owners(self, chunk: Chunk) -> ChunkOwners:
+        """A chunk's parameter owners for a round of a split backward (``ChunkOwners``)."""
+        if self.named is not None:
+            return ChunkOwners(*self.named.piece_owners(chunk.index))
+        return ChunkOwners.of_layers(chunk.module)
 
     def _pass_loss_back(self, compute) -> torch.Tensor:
         """The last stage computes the loss; every other stage hears it from the next one

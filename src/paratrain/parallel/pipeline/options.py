@@ -56,7 +56,7 @@ VIRTUAL_STAGES = StrategyOption(
     "virtual_stages",
     int,
     1,
-    "model chunks per stage; above 1 the 1f1b schedule runs interleaved",
+    "model chunks per stage (layers or named blocks); above 1 the 1f1b schedule runs interleaved",
     minimum=1,
 )
 

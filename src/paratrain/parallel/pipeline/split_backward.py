@@ -18,13 +18,24 @@ layer's work between its weights and its output. Recompute always cuts (each lay
 checkpointed). A chunk fed data (the first) has no input gradient to send: its B does
 nothing and its W is the chunk's one whole backward, as torch's zero-bubble stages do.
 
+A piece of a model cut at named split points (``stage_run``) is no list of layers: it
+runs uncut (``run_piece``), its units proved each micro-batch, and a graph that fails the
+proof takes that micro-batch's W whole from the piece's output.
+
 Exact: every gradient is the same product of the same tensors as in one backward; a
 Parameter used by several layers gets each layer's share from that layer's W, summed by
-autograd's accumulation as one backward would.
+autograd's accumulation as one backward would. Split layers (``tensor``) compose: a
+tensor group's collectives sit inside autograd functions (``tensor/mappings``), so B runs
+the input side's all-reduces and W, where a weight lies below one (a layer norm before a
+colwise layer), runs that all-reduce again on the same values; every member runs the same
+B and W in the same order. So does recompute, per layer (``LayerTape.run``): the forward
+runs three times instead of two, for each layer's input held from F to W instead of its
+saved tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +43,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paratrain.parallel.layers import is_layer_list
 from paratrain.parallel.pipeline.structure import flatten, floating, unflatten
 from paratrain.parallel.pipeline.weight_units import (
     Unit,
@@ -85,6 +95,10 @@ class _Layer:
     """Whether a unit's W must leave the graph for another's (nested units)."""
 
 
+Owners = dict[nn.Module, list[nn.Parameter]]
+"""Each module owning trainable parameters directly, and those parameters."""
+
+
 class ChunkOwners:
     """What ``LayerTape`` needs of a chunk's modules, found once for a round of the
     schedule rather than on each forward (a walk of every module, 0.1-0.3 ms a
@@ -92,17 +106,35 @@ class ChunkOwners:
     parameters, and one forward hook on every owner while the round runs (``UnitHooks``).
     Built anew each round, so a parameter frozen between steps is seen."""
 
-    def __init__(self, layers: nn.Module | list[nn.Module]) -> None:
-        container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
-        self.owners = param_owners(container)
+    def __init__(
+        self,
+        owners: Owners | None,
+        params: list[nn.Parameter],
+        layer_owners: list[Owners | None] | None = None,
+        layer_params: list[list[nn.Parameter]] | None = None,
+    ) -> None:
+        self.owners = owners
         """The whole chunk's owners, None if a parameter has two (see ``param_owners``)."""
-        self.params = [p for p in container.parameters() if p.requires_grad]
-        self.layer_owners = [param_owners(layer) for layer in layers]
-        self.layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+        self.params = params
+        self.layer_owners = layer_owners or []
+        """Each layer's, for a chunk cut between layers (none for a piece of a model cut
+        at named split points, which runs uncut)."""
+        self.layer_params = layer_params or []
         modules = dict.fromkeys(self.owners or {})
         for owners in self.layer_owners:
             modules.update(dict.fromkeys(owners or {}))
         self.hooks = UnitHooks(list(modules))
+
+    @classmethod
+    def of_layers(cls, layers: nn.Module | list[nn.Module]) -> ChunkOwners:
+        """A chunk of a layer list (``nn.Sequential`` or a list of its layers)."""
+        container = layers if isinstance(layers, nn.Module) else nn.ModuleList(layers)
+        return cls(
+            param_owners(container),
+            [p for p in container.parameters() if p.requires_grad],
+            [param_owners(layer) for layer in layers],
+            [[p for p in layer.parameters() if p.requires_grad] for layer in layers],
+        )
 
     def __enter__(self) -> ChunkOwners:
         self.hooks.__enter__()
@@ -154,7 +186,7 @@ class LayerTape:
         (torch's checkpoint restores the random state, so dropout draws alike)."""
         if self.owners is not None:
             return self._run(self.owners, layers, args, kwargs, recompute)
-        with ChunkOwners(layers) as owners:
+        with ChunkOwners.of_layers(layers) as owners:
             return self._run(owners, layers, args, kwargs, recompute)
 
     def _run(self, chunk: ChunkOwners, layers, args, kwargs, recompute: bool) -> Any:
@@ -179,6 +211,39 @@ class LayerTape:
             record = _Layer(inputs, _graph_leaves(value), chunk.layer_params[index], units=units)
             record.keep_graph = units is not None and overlapping(units)
             self.layers.append(record)
+        return value
+
+    def run_piece(
+        self,
+        call: Callable[[], Any],
+        inputs: list[torch.Tensor],
+        leaves_of: Callable[[Any], list[torch.Tensor]],
+    ) -> Any:
+        """A piece that is no list of layers (a model's own forward between named split
+        points; ``call`` runs it, with ``owners`` hooked): one uncut record. ``inputs``: the
+        received tensors that need a gradient, in message order; none (fed data): its W is
+        the piece's one whole backward, as on a layer list's first stage. Otherwise its
+        units are recorded and proved as an uncut chunk's; a graph that fails the proof
+        takes this micro-batch's W whole from the piece's output (exact, B's work again),
+        and the next micro-batch is proved afresh (there are no layers to cut between).
+        ``leaves_of``: the graph-carrying tensors of the piece's output (a model's output
+        may hold objects the pipeline's messages never carry, such as a key-value cache)."""
+        chunk = self.owners
+        if chunk is None:
+            raise ValueError("run_piece needs the piece's owners (LayerTape(owners=...)).")
+        units = None
+        if not inputs:
+            value = call()
+        elif chunk.owners:
+            value, recorder = chunk.record(chunk.owners, call)
+            units = units_of(recorder, leaves_of(value))
+        else:
+            value = call()
+        record = _Layer(inputs, leaves_of(value), chunk.params, units=units)
+        record.keep_graph = units is not None and overlapping(units)
+        self.layers = [record]
+        if inputs:  # a deferred piece proves nothing and fails nothing
+            self.whole = units is not None
         return value
 
     def _run_deferred(self, chunk: ChunkOwners, layers, args, kwargs, recompute: bool) -> Any:
@@ -290,19 +355,3 @@ class LayerTape:
             elif layer.params and layer.outputs:
                 torch.autograd.backward(layer.outputs, layer.grads, inputs=layer.params)
         self.layers = []
-
-
-def refuse_for_split_backward(model: nn.Module, schedule: str) -> None:
-    """Refuse, in one sentence, what a backward split into B and W does not compose with.
-
-    Split layers (``tensor``) compose: a tensor group's collectives sit inside autograd
-    functions (``tensor/mappings``), so B runs the input side's all-reduces and W, where a
-    weight lies below one (a layer norm before a colwise layer), runs that all-reduce again
-    on the same values; every member runs the same B and W in the same order. So does
-    recompute, per layer (``LayerTape.run``): the forward runs three times instead of two,
-    for each layer's input held from F to W instead of its saved tensors."""
-    if not is_layer_list(model):
-        raise ValueError(
-            f"schedule={schedule!r} splits the backward layer by layer, so it needs a layer "
-            "list; use schedule='1f1b' for a model cut at named split points."
-        )

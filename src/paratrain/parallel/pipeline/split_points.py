@@ -97,11 +97,14 @@ def _refuse_name(model: nn.Module, point: str) -> PartitionError:
 
 
 def _starts_from_names(
-    model: nn.Module, split_points: list[str], stages: int
+    model: nn.Module, split_points: list[str], stages: int, virtual_stages: int = 1
 ) -> tuple[str, list[int]]:
     if len(split_points) != stages - 1:
+        what = f"{stages} stages"
+        if virtual_stages > 1:
+            what = f"{stages // virtual_stages} stages x {virtual_stages} virtual stages"
         raise PartitionError(
-            f"{stages} stages need {stages - 1} split points, not {len(split_points)}; "
+            f"{what} need {stages - 1} split points, not {len(split_points)}; "
             f"give {stages - 1} block names or leave split_points out to choose them."
         )
     containers = block_containers(model)
@@ -193,15 +196,19 @@ def _owners(model: nn.Module, container: str, starts: list[int]) -> dict[str, in
     return owner
 
 
-def plan_stages(model: nn.Module, stages: int, split_points: list[str] | None) -> StagePlan:
-    """The stages of ``model`` cut at ``split_points`` (block names), or chosen."""
+def plan_stages(
+    model: nn.Module, stages: int, split_points: list[str] | None, *, virtual_stages: int = 1
+) -> StagePlan:
+    """The stages of ``model`` cut at ``split_points`` (block names), or chosen. With
+    virtual stages, ``stages`` counts the pieces (pipeline stages x ``virtual_stages``):
+    piece ``j`` is chunk ``j // p`` of stage ``j % p`` (``chunks``)."""
     if stages == 1 and not split_points:
         names = [*model.state_dict(keep_vars=True)]
         return StagePlan("", [0], 0, dict.fromkeys(names, 0))
     if split_points is None:
         container, starts = _automatic_starts(model, stages)
     else:
-        container, starts = _starts_from_names(model, list(split_points), stages)
+        container, starts = _starts_from_names(model, list(split_points), stages, virtual_stages)
     blocks = len(dict(model.named_modules())[container]) if container else 0
     return StagePlan(container, starts, blocks, _owners(model, container, starts))
 

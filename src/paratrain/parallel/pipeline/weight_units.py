@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from paratrain.parallel.layer_profile import tensors_in
 
 
-def _graph_tensors(value: Any) -> list[torch.Tensor]:
+def graph_tensors(value: Any) -> list[torch.Tensor]:
     """The floating-point tensors in a module's arguments or outputs that carry a graph.
     Tensors inside objects it does not know (a key-value cache) are not seen; a unit
     whose outputs hide one then fails the proof (its inner nodes are consumed outside)
@@ -111,10 +111,10 @@ class UnitRecorder:
         if unit is None:  # an owner of another layer of the chunk, or of none being taped
             return
         unit.calls += 1
-        inputs = _graph_tensors(args)
+        inputs = graph_tensors(args)
         unit.inputs = [_node(t) for t in inputs]
         passed = {id(t) for t in inputs}
-        unit.outputs = [t for t in _graph_tensors(output) if id(t) not in passed]
+        unit.outputs = [t for t in graph_tensors(output) if id(t) not in passed]
 
 
 class UnitHooks:
