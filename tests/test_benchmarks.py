@@ -110,6 +110,28 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
     assert f"(F+B-W)/(F+B+W) on this run's passes {zb['zero_bubble_floor']:.2f}" in text
 
 
+@pytest.mark.slow
+def test_bench_split_points_runs_each_schedule_beside_the_plain_loop(monkeypatch):
+    pytest.importorskip("transformers", reason="the dev extra installs transformers")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_split_points")
+    spec = {**bench.MODEL, "n_positions": 16, "n_embd": 32, "n_layer": 4}
+    schedules = ["1f1b", "interleaved", "zb-h1"]
+    rows = bench.run(spec, (8, 16, 4), schedules, rounds=1, steps=2, repeats=1)
+    assert [row["runner"] for row in rows] == [bench.PLAIN, *schedules]
+    plain, one_f_one_b = rows[0], rows[1]
+    for row in rows:
+        assert row["median_step_s"] > 0.0
+        assert row["samples_per_s"] == 8 / row["median_step_s"]
+        assert row["over_plain_loop"] == plain["median_step_s"] / row["median_step_s"]
+        assert row["over_1f1b"] == one_f_one_b["median_step_s"] / row["median_step_s"]
+    assert plain["over_plain_loop"] == 1.0 and one_f_one_b["over_1f1b"] == 1.0
+    text = bench.format_row(rows[2])
+    assert text.startswith("| interleaved (2 stages) |")
+    assert text.count("|") == bench.HEADER.splitlines()[0].count("|")
+    assert bench.format_row(plain).startswith("| plain loop (1 process) |")
+
+
 def test_torch_passes_measure_a_known_bubble(monkeypatch):
     """Two stages, a step of 10 s: stage 0 busy 0-4 and 6-8 (a pass timed by two stamps
     that overlap counts once), stage 1 busy 2-10, so idle 4 s and 2 s, bubble (0.4 +
