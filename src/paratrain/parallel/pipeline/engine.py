@@ -130,6 +130,11 @@ def _floating_leaves(value: Any) -> list[torch.Tensor]:
     return [leaves[index] for index in floating(leaves)]
 
 
+def _needing_gradients(value: Any) -> list[torch.Tensor]:
+    """The received tensors whose gradients go back to the stage before, in message order."""
+    return [leaf for leaf in _floating_leaves(value) if leaf.requires_grad]
+
+
 def choose_balance(
     layers: nn.Sequential,
     stages: int,
@@ -675,7 +680,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         else:
             by_output = {id(out): g for out, g in pairs}
             grads = tape.backward_input([by_output[id(out)] for out in tape.outputs])
-        received = [] if x is None else [t for t in _floating_leaves(x) if t.requires_grad]
+        received = [] if x is None else _needing_gradients(x)
         for leaf, grad in zip(received, grads, strict=False):
             leaf.grad = grad
 
@@ -759,7 +764,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             run = functools.partial(self.named.run, inputs, received, chunk=chunk.index)
             if tape is None:
                 return run()
-            needs = [] if received is None else [t for t in _floating_leaves(x) if t.requires_grad]
+            needs = [] if received is None else _needing_gradients(x)
             return tape.run_piece(run, needs, leaves_of=graph_tensors)
         args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
         if tape is not None:  # layer by layer, for a backward split into B and W

@@ -232,9 +232,7 @@ class LayerTape:
         if chunk is None:
             raise ValueError("run_piece needs the piece's owners (LayerTape(owners=...)).")
         units = None
-        if not inputs:
-            value = call()
-        elif chunk.owners:
+        if inputs and chunk.owners:
             value, recorder = chunk.record(chunk.owners, call)
             units = units_of(recorder, leaves_of(value))
         else:

@@ -42,6 +42,7 @@ from paratrain.parallel.inputs import as_arguments
 from paratrain.parallel.pipeline.partition import PartitionError
 from paratrain.parallel.pipeline.split_points import StagePlan
 from paratrain.parallel.pipeline.ties import release_shared
+from paratrain.parallel.pipeline.weight_units import param_owners
 
 
 class _StageEnd(Exception):  # noqa: N818 - control flow, not an error
@@ -204,7 +205,8 @@ class NamedStage:
             if plan.owner.get(n) in self.pieces
         }
         self._foreign, switched = _held_apart(model, plan, self.pieces)
-        twins = shape_twins(model, plan, self.pieces) if twins is None else twins
+        if twins is None:
+            twins = {name: _meta_twin(module) for name, (module, _) in switched.items()}
         for name, module in self._foreign.items():
             release_shared(module, own)  # a tied Parameter stays whole on this stage
             module.to("meta")
@@ -251,24 +253,13 @@ class NamedStage:
         ``weight_units.param_owners`` says), and all its trainable parameters: what a
         zero-bubble W takes unit by unit."""
         piece = self.pieces[chunk]
-        owners: dict[nn.Module, list[nn.Parameter]] = {}
-        seen: set[int] = set()
-        clash = False
-        for name, module in self.model.named_modules(remove_duplicate=False):
-            held = [
-                p
-                for key, p in module._parameters.items()
-                if p is not None
-                and p.requires_grad
-                and self.plan.owner.get(f"{name}.{key}" if name else key) == piece
-            ]
-            if not held:
-                continue
-            clash = clash or module in owners or any(id(p) in seen for p in held)
-            seen.update(id(p) for p in held)
-            owners[module] = held
-        params = list({id(p): p for held in owners.values() for p in held}.values())
-        return (None if clash else owners), params
+
+        def held(name: str) -> bool:
+            return self.plan.owner.get(name) == piece
+
+        named = self.model.named_parameters(remove_duplicate=False)
+        params = {id(p): p for n, p in named if held(n) and p.requires_grad}  # a tie once
+        return param_owners(self.model, held), list(params.values())
 
     def state(self) -> dict[str, torch.Tensor]:
         """This stage's entries of the model's ``state_dict()``, under the same names."""

@@ -25,6 +25,7 @@ its output (``split_backward.LayerTape``). The proof costs one walk of the piece
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,14 +84,22 @@ class Unit:
             )
 
 
-def param_owners(layer: nn.Module) -> dict[nn.Module, list[nn.Parameter]] | None:
+def param_owners(
+    layer: nn.Module, held: Callable[[str], bool] | None = None
+) -> dict[nn.Module, list[nn.Parameter]] | None:
     """Each module of ``layer`` with trainable parameters of its own, and those parameters;
     None when some parameter has two owners (a weight tied inside the layer, or a module
-    registered twice), which W per unit would count once per owner."""
+    registered twice), which W per unit would count once per owner. ``held``: which
+    parameters count, by their name under ``layer`` (all by default; a piece of a model
+    cut at named split points counts its own)."""
     owners: dict[nn.Module, list[nn.Parameter]] = {}
     seen: set[int] = set()
-    for _, module in layer.named_modules(remove_duplicate=False):
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    for name, module in layer.named_modules(remove_duplicate=False):
+        params = [
+            p
+            for key, p in module.named_parameters(recurse=False)
+            if p.requires_grad and (held is None or held(f"{name}.{key}" if name else key))
+        ]
         if not params:
             continue
         if module in owners or any(id(p) in seen for p in params):
