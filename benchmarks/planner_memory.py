@@ -152,6 +152,20 @@ CONFIGS = [
     ("gpt", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "zb-h2"}),
     ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"}),
     ("mlp", "pipeline", 2, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
+    # interleaved 1F1B as the planner now proposes it: with recompute, and with tensor
+    (
+        "gpt",
+        "pipeline",
+        2,
+        {"stages": 2, "micro_batches": 4, "virtual_stages": 2, "recompute": True},
+    ),
+    ("gpt", "pipeline", 4, {"stages": 2, "tensor": 2, "micro_batches": 4, "virtual_stages": 2}),
+    (
+        "blocks",
+        "pipeline",
+        2,
+        {"stages": 2, "micro_batches": 4, "virtual_stages": 2, "recompute": True},
+    ),
 ]
 """Every strategy but ``ps`` (never proposed), recompute on and off, bf16, the pipeline at
 2 and 4 stages under 1F1B and GPipe, ZB-H1, ZB-H2 and interleaved 1F1B at 2 stages, tp

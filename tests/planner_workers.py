@@ -21,16 +21,19 @@ def model(kind: str):
     torch.manual_seed(0)
     if kind == "gpt":
         return build_model("gpt", vocab_size=17, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    if kind == "gpt-wide":  # activations large beside the link buffers and headers
+        return build_model("gpt", vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=128)
     return build_model("mlp", in_features=32, hidden=64, depth=3, classes=10)
 
 
 def batch(kind: str, size: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    if kind == "gpt":
-        shape = (size, 16)
+    if kind.startswith("gpt"):
+        length, vocab = (16, 17) if kind == "gpt" else (32, 65)
+        shape = (size, length)
         return (
-            torch.randint(0, 17, shape, generator=generator),
-            torch.randint(0, 17, shape, generator=generator),
+            torch.randint(0, vocab, shape, generator=generator),
+            torch.randint(0, vocab, shape, generator=generator),
         )
     return torch.randn(size, 32, generator=generator), torch.randint(
         0, 10, (size,), generator=generator
@@ -44,7 +47,7 @@ def adam(params):
 def loss(kind: str):
     from paratrain.models import loss_for
 
-    return loss_for("gpt" if kind == "gpt" else "mlp")
+    return loss_for("gpt" if kind.startswith("gpt") else "mlp")
 
 
 def live_peaks(layouts: list[tuple[str, str, dict]], global_batch: int) -> list[int]:

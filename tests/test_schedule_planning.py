@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from torch import nn
 
 from paratrain.parallel.pipeline.cost import idle_slots, in_flight
 from paratrain.parallel.pipeline.description import PipelineStrategy
@@ -21,6 +22,7 @@ from paratrain.parallel.pipeline.timeline import (
     schedule_bubble,
 )
 from paratrain.parallel.pipeline.timeline_report import summarize
+from paratrain.planner.api import candidates
 
 KINDS = {"F": "forward", "B": "backward", "W": "weight"}
 
@@ -48,16 +50,38 @@ def test_the_planner_reads_activations_in_flight_off_each_schedule():
 
 
 def test_the_planner_proposes_only_schedules_whose_live_memory_it_predicts():
-    """ZB-H1 and ZB-H2 are proposed (their split backward's live moments are predicted,
-    held against the live count in test_planner); interleaved 1F1B is left to the user
-    (4.5% under the live count on a 2-stage mlp)."""
+    """ZB-H1, ZB-H2 and interleaved 1F1B are proposed (their live moments are predicted,
+    held against the live count in test_planner); recompute not under ZB-H1/ZB-H2 (their
+    per-layer recompute is not held against live memory)."""
     layouts = PipelineStrategy.plan_layouts(4, layer_list=True)
     assert {"stages": 2, "micro_batches": 4} in layouts
     assert {"stages": 2, "micro_batches": 4, "schedule": "gpipe"} in layouts
     assert {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"} in layouts
     assert {"stages": 4, "micro_batches": 8, "schedule": "zb-h2"} in layouts
     assert not any(x.get("recompute") and x.get("schedule", "").startswith("zb") for x in layouts)
-    assert not any(x.get("virtual_stages") for x in layouts)
+    assert {"stages": 2, "micro_batches": 4, "virtual_stages": 2} in layouts
+    assert {"stages": 2, "micro_batches": 8, "virtual_stages": 2, "recompute": True} in layouts
+    assert not any(x.get("virtual_stages") and x.get("schedule") for x in layouts)
+
+
+def test_the_planner_drops_layouts_that_cut_more_pieces_than_the_model_has_layers():
+    """Interleaving cuts stages x virtual stages pieces: 2 x 2 needs 4 layers."""
+
+    def proposed(depth: int) -> list[dict]:
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(depth)))
+        found = candidates(
+            model,
+            devices=2,
+            global_batch=8,
+            strategies=["pipeline"],
+            accumulations=[1],
+            precisions=["fp32"],
+            fixed={},
+        )
+        return [c.options for c in found]
+
+    assert not any(o.get("virtual_stages") for o in proposed(3))
+    assert {"stages": 2, "micro_batches": 4, "virtual_stages": 2} in proposed(4)
 
 
 def _ideal_run(tmp_path, schedule: str, stages: int, micro: int, chunks: int = 1):

@@ -255,6 +255,30 @@ def interleaved_worker(
     return out
 
 
+def tensors_left_in_cycles_worker(settings: list[dict]) -> list[int]:
+    """Per pipeline setting, the tensors a training step (gpt, SGD) left in reference
+    cycles: only Python's cyclic collector frees those, so until it runs they hold memory
+    no schedule's arithmetic counts."""
+    import gc
+
+    counts = []
+    for options in settings:
+        engine = parity_engine("pipeline", "gpt", "sgd", **options)
+        found = 0
+        for x, y in parity_batches("gpt", steps=2):
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage
+            try:
+                engine.train_step(x, y)
+                gc.collect()
+            finally:
+                gc.set_debug(0)
+            found += sum(isinstance(item, torch.Tensor) for item in gc.garbage)
+            gc.garbage.clear()
+        counts.append(found)
+    return counts
+
+
 def activation_peaks_worker(settings: list[dict]) -> list[int]:
     """Peak activation bytes of this stage for each pipeline setting (gpt, 4 steps)."""
     import paratrain

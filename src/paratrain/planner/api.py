@@ -130,13 +130,14 @@ def _agrees(name: str, layout: dict[str, Any], fixed: dict[str, Any]) -> dict[st
     return {**layout, **fixed}
 
 
-def _stages(cls: Any, devices: int, options: dict[str, Any]) -> int:
-    """The stage count a layout asks for (0 where its degrees do not fit: ``check_run``
-    then refuses it with its sentence)."""
+def _pieces(cls: Any, devices: int, options: dict[str, Any]) -> int:
+    """The pieces a layout cuts the layer list into: its stages times their virtual stages
+    (0 where its degrees do not fit: ``check_run`` then refuses it with its sentence)."""
     try:
-        return cls.layout(devices, options).stages
+        layout = cls.layout(devices, options)
     except ValueError:
         return 0
+    return layout.stages * layout.virtual_stages
 
 
 def candidates(
@@ -158,7 +159,7 @@ def candidates(
         cls = strategy_class(name)
         for layout in cls.plan_layouts(devices, layer_list=listed):
             options = _agrees(name, layout, fixed)
-            if options is None or _stages(cls, devices, options) > layers:
+            if options is None or _pieces(cls, devices, options) > layers:
                 continue
             for accumulation, precision in itertools.product(accumulations, precisions):
                 spec = RunSpec(

@@ -64,7 +64,7 @@ class Candidate:
 
     def describe_options(self) -> str:
         parts = []
-        for key in ("micro_batches", "schedule", "recompute", "balance_by"):
+        for key in ("micro_batches", "schedule", "virtual_stages", "recompute", "balance_by"):
             if key in self.options:
                 value = self.options[key]
                 parts.append(key if value is True else f"{key}={value}")

@@ -46,7 +46,7 @@ from paratrain.parallel.tensor.compose import SplitsLayersStrategy
 from paratrain.parallel.tensor.options import PLAN_KEYWORD
 from paratrain.parallel.tensor.plan import resolve_plan
 
-PROPOSED_SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1))
+PROPOSED_SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1), ("1f1b", 2))
 """(schedule, chunks per stage) the planner considers; see ``plan_layouts``."""
 
 
@@ -150,10 +150,13 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
 
         ZB-H1 and ZB-H2 are proposed since their prediction counts what the split backward
         keeps from B to W (``split_cost``; on a 2-worker gpt at 2 micro-batches it was 20%
-        under the live count without it, 4% under with it). Interleaved 1F1B is not yet:
-        on a 2-stage mlp its prediction is 4.5% under the live count (an activation
-        receive window it does not count), too near the 5% a plan may fall short; a user
-        who names ``virtual_stages`` gets it."""
+        under the live count without it, 4% under with it). Interleaved 1F1B (2 virtual
+        stages; layouts cutting more pieces than the model has layers are dropped by the
+        planner) is proposed since its live peak is what its prediction says: it had been
+        2.8-4.5% under on a 2-stage mlp while flattening an activation left a reference
+        cycle that kept a round's activations alive until Python's cyclic collector ran
+        (``structure.flatten``), and 17.5% over under recompute while a backward was
+        counted over both chunks at once (``stage_moments``)."""
         if not layer_list:
             return []
         schedules = PROPOSED_SCHEDULES

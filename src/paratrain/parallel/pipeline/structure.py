@@ -43,34 +43,38 @@ class StructureError(ValueError):
 def flatten(value: Any) -> tuple[list[torch.Tensor], Any]:
     """The tensors of ``value`` in a fixed order, and a JSON-able description of the rest."""
     leaves: list[torch.Tensor] = []
-
-    def describe(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            if item.dtype not in DTYPES:
-                raise StructureError(f"pipeline stages cannot pass tensors of dtype {item.dtype}.")
-            leaves.append(item)
-            return {"tensor": len(leaves) - 1}
-        if isinstance(item, dict):
-            if not all(isinstance(key, str) for key in item):
-                raise StructureError("a dict passed between pipeline stages needs string keys.")
-            return {"dict": [[key, describe(v)] for key, v in item.items()]}
-        if isinstance(item, (tuple, list)):
-            return {type(item).__name__: [describe(v) for v in item]}
-        if item is None or isinstance(item, (bool, int, float, str)):
-            return {"value": item}
-        raise StructureError(
-            f"pipeline stages pass tensors, tuples, lists, dicts and plain values between "
-            f"them, not {type(item).__name__}; return one of those from the layer before a "
-            "stage boundary."
-        )
-
-    tree = describe(value)
+    tree = _describe(value, leaves)
     if len(leaves) > MAX_LEAVES:
         raise StructureError(
             f"a stage passes {len(leaves)} tensors to the next, more than {MAX_LEAVES}; "
             "return fewer from the layer before the stage boundary."
         )
     return leaves, tree
+
+
+def _describe(item: Any, leaves: list[torch.Tensor]) -> Any:
+    """``item``'s description, its tensors appended to ``leaves``. A module-level function,
+    not a closure over ``leaves``: a nested function that calls itself is a reference
+    cycle, and it would keep every flattened activation alive until Python's cyclic
+    collector ran (a round's worth of them through the optimizer step)."""
+    if isinstance(item, torch.Tensor):
+        if item.dtype not in DTYPES:
+            raise StructureError(f"pipeline stages cannot pass tensors of dtype {item.dtype}.")
+        leaves.append(item)
+        return {"tensor": len(leaves) - 1}
+    if isinstance(item, dict):
+        if not all(isinstance(key, str) for key in item):
+            raise StructureError("a dict passed between pipeline stages needs string keys.")
+        return {"dict": [[key, _describe(v, leaves)] for key, v in item.items()]}
+    if isinstance(item, (tuple, list)):
+        return {type(item).__name__: [_describe(v, leaves) for v in item]}
+    if item is None or isinstance(item, (bool, int, float, str)):
+        return {"value": item}
+    raise StructureError(
+        f"pipeline stages pass tensors, tuples, lists, dicts and plain values between "
+        f"them, not {type(item).__name__}; return one of those from the layer before a "
+        "stage boundary."
+    )
 
 
 def unflatten(tree: Any, leaves: list[torch.Tensor]) -> Any:
