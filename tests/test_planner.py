@@ -399,10 +399,13 @@ TWO_WORKERS = [
     # B keeps each layer's output gradient and the whole forward's graph until W
     # (``pipeline/split_cost``): 697,036 B live, 560,820 predicted without them, 671,556 with
     ("gpt", "pipeline", {"stages": 2, "micro_batches": 2, "schedule": "zb-h1"}),
-    # interleaved 1F1B, proposed by the planner since each chunk's backward is counted on
-    # its own: counted over both chunks at once, a recomputed one was +13.5% here (8.62 MB
-    # predicted now, 9.11 MB then, 8.03 MB live)
+    # interleaved 1F1B, proposed by the planner since each chunk is counted on its own
+    # (``pipeline/chunk_cost``): counted over both chunks at once, a recomputed backward
+    # was +13.5% here (9.11 MB predicted then, 8.65 MB now, 8.03 MB live); counted as
+    # halves of a stage, the 2-block gpt's embedding chunk was priced as a block (+13.0%,
+    # now +8.3%: 549,692 B against 507,580)
     ("mlp", "pipeline", {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
+    ("gpt", "pipeline", {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
     ("gpt-wide", "pipeline", {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
     (
         "gpt-wide",

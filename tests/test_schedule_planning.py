@@ -13,9 +13,10 @@ import json
 import pytest
 from torch import nn
 
+from paratrain.parallel.pipeline.chunk_cost import chunk_occupancy
 from paratrain.parallel.pipeline.cost import idle_slots, in_flight
 from paratrain.parallel.pipeline.description import PipelineStrategy
-from paratrain.parallel.pipeline.schedules import build_schedule, simulate
+from paratrain.parallel.pipeline.schedules import Action, build_schedule, simulate
 from paratrain.parallel.pipeline.timeline import (
     measured_bubble,
     read_timeline,
@@ -47,6 +48,23 @@ def test_the_planner_reads_activations_in_flight_off_each_schedule():
     assert idle_slots("1f1b", 4, 1, 0.5, micro_batches=8) == 3
     assert idle_slots("1f1b", 4, 2, 0.5, micro_batches=8) == 1.5
     assert idle_slots("zb-h1", 4, 1, 1 / 3, micro_batches=8) == pytest.approx(1.0)  # F+B-W = F
+
+
+def test_an_interleaved_stage_counts_each_chunks_activations_along_its_actions():
+    """A chunk saving 1 byte a micro-batch and one saving 100 (an embedding and a block):
+    as halves of a stage each pair would weigh 50.5."""
+    actions = build_schedule("1f1b", 2, 4, 2)[0]
+    peak, backwards = chunk_occupancy(actions, [1.0, 100.0])
+    held = [0.0]
+    for action in actions:  # the same walk, written out: bytes in flight after each action
+        step = {"F": 1, "B": -1}[action.kind] * (1.0, 100.0)[action.chunk]
+        held.append(held[-1] + step)
+    assert peak == max(held)
+    assert [chunk for _, chunk in backwards] == [a.chunk for a in actions if a.kind == "B"]
+    assert all(bytes_held >= (1.0, 100.0)[chunk] for bytes_held, chunk in backwards)
+    assert backwards[-1] == ((1.0, 100.0)[actions[-1].chunk], actions[-1].chunk)
+    split = [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1)]
+    assert chunk_occupancy(split, [1.0, 100.0]) == (101.0, [(101.0, 1)])  # W frees
 
 
 def test_the_planner_proposes_only_schedules_whose_live_memory_it_predicts():

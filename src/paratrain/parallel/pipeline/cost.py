@@ -41,6 +41,7 @@ from paratrain.parallel.live_cost import (
     with_transient,
 )
 from paratrain.parallel.options import given
+from paratrain.parallel.pipeline.chunk_cost import chunk_moments, chunk_occupancy
 from paratrain.parallel.pipeline.options import (
     BALANCE,
     BALANCE_BY,
@@ -152,76 +153,96 @@ def stage_memory(
     replicas: int,
     recompute: bool,
     steady: bool,
-    split: tuple[float, ...] = (),
+    actions: list[Action],
+    split: bool,
 ) -> dict[str, int]:
     """A stage's ledger at its peak with ``held`` micro-batches of ``one`` saved bytes
-    each, and what its live moments hold beyond it (``stage_moments``, and ``split``: a
-    split backward's, ``split_cost.split_moments``); ``bounds``: the (start, end) layers of
-    each of its chunks (one but under interleaving)."""
+    each, and what its live moments hold beyond it (``stage_moments``, and where its
+    backward is ``split``, ``split_cost.split_moments`` on its ``actions``). ``bounds``:
+    the (start, end) layers of each of its chunks; where it has several (interleaving),
+    each chunk's activations are counted on their own along its actions
+    (``chunk_cost``)."""
     pieces = [list(range(start, end)) for start, end in bounds]
     layers = [i for piece in pieces for i in piece]
     params = costs.param_bytes(layers)
+    base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
+    if len(pieces) > 1:
+        saved = [_saved_per_micro_batch(costs, run, samples, p, recompute, False) for p in pieces]
+        activations, backwards = chunk_occupancy(actions, saved)
+        moments = chunk_moments(
+            costs,
+            run,
+            samples,
+            pieces,
+            saved,
+            backwards,
+            base,
+            replicas=replicas,
+            recompute=recompute,
+        )
+    else:
+        activations = held * one
+        moments = stage_moments(
+            costs, run, samples, layers, activations, one, base, replicas, recompute, steady
+        )
+    if split:
+        moments += split_moments(
+            costs,
+            samples,
+            layers,
+            actions,
+            base=base,
+            one=one,
+            grads_kept=replicas > 1,
+            recompute=recompute,
+        )
     memory = ledger_at_peak(
         parameters=params + costs.frozen_bytes(layers),
         gradients=params,
         optimizer=costs.optimizer_bytes(layers),
-        activations=held * one,
+        activations=activations,
         communication=communication,
         gradients_persist=replicas > 1,
     )
-    moments = stage_moments(
-        costs, run, samples, pieces, held * one, one, communication, replicas, recompute, steady
-    )
-    return with_transient(memory, moments=moments + split, lag=collective_lag(costs, samples))
+    return with_transient(memory, moments=moments, lag=collective_lag(costs, samples))
 
 
 def stage_moments(
     costs: ModelCosts,
     run: Run,
     samples: float,
-    pieces: list[list[int]],
+    layers: list[int],
     saved: float,
     one: float,
-    communication: float,
+    base: float,
     replicas: int,
     recompute: bool,
     steady: bool,
 ) -> tuple[float, float, float]:
-    """A stage's live totals (``live_cost``): the backward of its first micro-batch while
-    the others its schedule holds keep their activations (``saved`` in all, ``one`` each),
-    the gradients made as backward passes (kept whole between steps only where replicas
-    reduce them in buckets); a later backward, with every gradient there and, under 1F1B
-    in its ``steady`` state (more micro-batches than it holds), as many micro-batches held
-    (each backward follows a forward), else one fewer (GPipe drains); and the optimizer
-    step (the fused kernel: ``fused_optim``).
-
-    ``pieces``: the layers of each of the stage's chunks. A backward walks one chunk, so
-    its peak is its largest chunk's, and it frees one (micro-batch, chunk) pair of the
-    ``saved``: ``one`` over the chunks. Counted over all the stage's layers at once under
-    interleaving, a recomputed backward rebuilt both chunks' activations (+17.5% over the
-    live count on a 2-stage gpt)."""
-    layers = [i for piece in pieces for i in piece]
+    """A stage's live totals (``live_cost``) beyond ``base`` (its parameters, frozen state,
+    optimizer state and link buffers): the backward of its first micro-batch while the
+    others its schedule holds keep their activations (``saved`` in all, ``one`` each), the
+    gradients made as backward passes (kept whole between steps only where replicas reduce
+    them in buckets); a later backward, with every gradient there and, under 1F1B in its
+    ``steady`` state (more micro-batches than it holds), as many micro-batches held (each
+    backward follows a forward), else one fewer (GPipe drains); and the optimizer step
+    (the fused kernel: ``fused_optim``)."""
     params = costs.param_bytes(layers)
-    base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
     kept = replicas > 1
-    pair = one / len(pieces)
 
-    def peak(grads_kept: bool) -> float:
-        return max(
-            backward_peak(
-                costs,
-                samples,
-                piece,
-                batch_samples=run.global_batch,
-                recompute=recompute,
-                one_segment=True,
-                grads_kept=grads_kept,
-            )
-            for piece in pieces
+    def walk(grads_kept: bool) -> float:
+        return backward_peak(
+            costs,
+            samples,
+            layers,
+            batch_samples=run.global_batch,
+            recompute=recompute,
+            one_segment=True,
+            grads_kept=grads_kept,
         )
 
-    first = base + (params if kept else 0.0) + max(0.0, saved - pair) + peak(kept)
-    later = base + params + max(0.0, saved - (1 if steady else 2) * pair) + peak(True)
+    first = base + (params if kept else 0.0) + max(0.0, saved - one) + walk(kept)
+    later = base + params + max(0.0, saved - (1 if steady else 2) * one) + walk(True)
     largest = max((costs.layers[i].largest_param_elements for i in layers), default=0)
     step = base + params + step_temporaries(costs, largest, fused=True)
     return first, later, step
@@ -283,15 +304,19 @@ def predict(
         widest = max([widest, *outs])
         steady = schedule != "gpipe" and micro > held
         split_here = _stage_splits(split, stage, chunks)
-        live = (
-            _split_live(
-                costs, samples, layers, actions[stage], one, communication, replicas, recompute
-            )
-            if split_here
-            else ()
-        )
         memory = stage_memory(
-            costs, run, samples, own, held, one, communication, replicas, recompute, steady, live
+            costs,
+            run,
+            samples,
+            own,
+            held,
+            one,
+            communication,
+            replicas,
+            recompute,
+            steady,
+            actions[stage],
+            split_here,
         )
         if worst is None or sum(memory.values()) > sum(worst.values()):
             worst = memory
@@ -309,21 +334,36 @@ def predict(
     idle = idle_slots(schedule, stages, chunks, forward_share, micro_batches=micro)
     waits = exposed_hops(schedule, stages, micro) * machine.send.at(widest)
     compute = machine.compute_seconds(work, rounds * ((micro + idle) * slowest + waits) + optimizer)
-    params_largest = max(
-        costs.param_bytes(_worker_layers(bounds, s, stages)) for s in range(stages)
-    )
-    communication = machine.all_reduce_s(params_largest, replicas) + machine.all_reduce_s(
-        rounds * micro * costs.tensor_bytes.at(samples) / stages,
-        costs.tensor,
-        messages=rounds * micro * costs.tensor_messages.at(samples) / stages,
-    )
     return Prediction.of(
         worst or {},
         compute_s=compute,
-        communication_s=communication,
+        communication_s=_collective_seconds(
+            costs, machine, bounds, layout, rounds * micro, samples
+        ),
         workers=workers,
         machine=machine,
         notes=(f"bubble {idle / (micro + idle):.0%}",),
+    )
+
+
+def _collective_seconds(
+    costs: ModelCosts,
+    machine: MachineCosts,
+    bounds: list[tuple[int, int]],
+    layout: Layout,
+    micro_batches: int,
+    samples: float,
+) -> float:
+    """The replicas' all-reduce of the largest stage's gradients, and the tensor group's
+    messages of ``micro_batches`` micro-batches (a stage's share of the model's)."""
+    stages = layout.stages
+    params_largest = max(
+        costs.param_bytes(_worker_layers(bounds, s, stages)) for s in range(stages)
+    )
+    return machine.all_reduce_s(params_largest, layout.replicas) + machine.all_reduce_s(
+        micro_batches * costs.tensor_bytes.at(samples) / stages,
+        costs.tensor,
+        messages=micro_batches * costs.tensor_messages.at(samples) / stages,
     )
 
 
@@ -345,31 +385,6 @@ def _stage_splits(split: bool, stage: int, chunks: int) -> bool:
     send: its B does nothing and its W is one whole backward (``LayerTape``), so the first
     stage of one chunk holds and walks as a plain backward does, W in its place."""
     return split and not (stage == 0 and chunks == 1)
-
-
-def _split_live(
-    costs: ModelCosts,
-    samples: float,
-    layers: list[int],
-    actions: list[Action],
-    one: float,
-    communication: float,
-    replicas: int,
-    recompute: bool,
-) -> tuple[float, ...]:
-    """A split backward's live moments on this stage (``split_cost.split_moments``)."""
-    params = costs.param_bytes(layers)
-    base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
-    return split_moments(
-        costs,
-        samples,
-        layers,
-        actions,
-        base=base,
-        one=one,
-        grads_kept=replicas > 1,
-        recompute=recompute,
-    )
 
 
 def _link_bytes(

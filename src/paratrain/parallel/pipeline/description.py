@@ -155,8 +155,9 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         planner) is proposed since its live peak is what its prediction says: it had been
         2.8-4.5% under on a 2-stage mlp while flattening an activation left a reference
         cycle that kept a round's activations alive until Python's cyclic collector ran
-        (``structure.flatten``), and 17.5% over under recompute while a backward was
-        counted over both chunks at once (``stage_moments``)."""
+        (``structure.flatten``), 17.5% over under recompute while a backward was counted
+        over both chunks at once, and 13% over on a 2-block gpt whose embedding chunk was
+        priced as half a stage (each chunk is counted on its own now: ``chunk_cost``)."""
         if not layer_list:
             return []
         schedules = PROPOSED_SCHEDULES
