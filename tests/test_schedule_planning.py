@@ -13,10 +13,14 @@ import json
 import pytest
 from torch import nn
 
-from paratrain.parallel.pipeline.chunk_cost import chunk_occupancy
 from paratrain.parallel.pipeline.cost import idle_slots, in_flight
 from paratrain.parallel.pipeline.description import PipelineStrategy
-from paratrain.parallel.pipeline.schedules import Action, build_schedule, simulate
+from paratrain.parallel.pipeline.schedules import (
+    Action,
+    build_schedule,
+    chunk_occupancy,
+    simulate,
+)
 from paratrain.parallel.pipeline.timeline import (
     measured_bubble,
     read_timeline,
@@ -54,7 +58,7 @@ def test_an_interleaved_stage_counts_each_chunks_activations_along_its_actions()
     """A chunk saving 1 byte a micro-batch and one saving 100 (an embedding and a block):
     as halves of a stage each pair would weigh 50.5."""
     actions = build_schedule("1f1b", 2, 4, 2)[0]
-    peak, backwards = chunk_occupancy(actions, [1.0, 100.0])
+    peak, backwards = chunk_occupancy(actions, [1.0, 100.0], "B")
     held = [0.0]
     for action in actions:  # the same walk, written out: bytes in flight after each action
         step = {"F": 1, "B": -1}[action.kind] * (1.0, 100.0)[action.chunk]
@@ -64,7 +68,7 @@ def test_an_interleaved_stage_counts_each_chunks_activations_along_its_actions()
     assert all(bytes_held >= (1.0, 100.0)[chunk] for bytes_held, chunk in backwards)
     assert backwards[-1] == ((1.0, 100.0)[actions[-1].chunk], actions[-1].chunk)
     split = [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1)]
-    assert chunk_occupancy(split, [1.0, 100.0]) == (101.0, [(101.0, 1)])  # W frees
+    assert chunk_occupancy(split, [1.0, 100.0], "W") == (101.0, [(101.0, 1)])  # W frees
 
 
 def test_the_planner_proposes_only_schedules_whose_live_memory_it_predicts():

@@ -7,10 +7,11 @@ token ids, its second a transformer block that saves thousands of times more. Co
 every (micro-batch, chunk) pair in flight as ``1/v`` of the stage (``cost.in_flight``)
 then misprices both the activations held and what a backward frees: on a 2-stage gpt of
 2 blocks the first stage was predicted 24% over its live peak and the second 2.5% under.
-So each chunk's saved bytes are counted on their own, walking the stage's actions: a
-forward adds its chunk's, a backward frees them (its W where the backward is split), and
-each backward's moment holds what is in flight then, less its own pair, plus its own
-chunk's walk (``live_cost.backward_peak``).
+So each chunk's saved bytes are counted on their own, walking the stage's actions
+(``schedules.chunk_occupancy``, the walk ``max_in_flight`` makes with every pair 1): a
+forward adds its chunk's, a backward frees them, and each backward's moment holds what
+is in flight then, less its own pair, plus its own chunk's walk
+(``live_cost.backward_peak``).
 """
 
 from __future__ import annotations
@@ -19,26 +20,6 @@ from collections.abc import Sequence
 
 from paratrain.parallel.cost_model import ModelCosts, Run
 from paratrain.parallel.live_cost import backward_peak, step_temporaries
-from paratrain.parallel.pipeline.schedules import Action
-
-
-def chunk_occupancy(
-    actions: list[Action], saved: Sequence[float]
-) -> tuple[float, list[tuple[float, int]]]:
-    """The most bytes a stage's chunks hold at once (``saved[c]`` per micro-batch of chunk
-    c, from its forward to its backward: its W where the backward is split), and at each
-    backward that frees a pair, the bytes held then (that pair included) and its chunk."""
-    frees = "W" if any(a.kind == "W" for a in actions) else "B"
-    held = peak = 0.0
-    backwards = []
-    for action in actions:
-        if action.kind == "F":
-            held += saved[action.chunk]
-            peak = max(peak, held)
-        elif action.kind == frees:
-            backwards.append((held, action.chunk))
-            held -= saved[action.chunk]
-    return peak, backwards
 
 
 def chunk_moments(

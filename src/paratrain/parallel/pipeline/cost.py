@@ -41,7 +41,7 @@ from paratrain.parallel.live_cost import (
     with_transient,
 )
 from paratrain.parallel.options import given
-from paratrain.parallel.pipeline.chunk_cost import chunk_moments, chunk_occupancy
+from paratrain.parallel.pipeline.chunk_cost import chunk_moments
 from paratrain.parallel.pipeline.options import (
     BALANCE,
     BALANCE_BY,
@@ -55,6 +55,7 @@ from paratrain.parallel.pipeline.schedules import (
     SPLIT_SCHEDULES,
     Action,
     build_schedule,
+    chunk_occupancy,
     max_in_flight,
     timed_bubble,
 )
@@ -167,8 +168,8 @@ def stage_memory(
     params = costs.param_bytes(layers)
     base = params + costs.frozen_bytes(layers) + costs.optimizer_bytes(layers) + communication
     if len(pieces) > 1:
-        saved = [_saved_per_micro_batch(costs, run, samples, p, recompute, False) for p in pieces]
-        activations, backwards = chunk_occupancy(actions, saved)
+        saved = [_saved_per_micro_batch(costs, run, samples, p, recompute, split) for p in pieces]
+        activations, backwards = chunk_occupancy(actions, saved, "W" if split else "B")
         moments = chunk_moments(
             costs,
             run,

@@ -33,7 +33,7 @@ and trailing spaces are dropped, e.g. GPipe with 2 stages and 2 micro-batches::
 from __future__ import annotations
 
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ScheduleError",
     "Timed",
     "build_schedule",
+    "chunk_occupancy",
     "clock_table",
     "dependencies",
     "get_schedule",
@@ -517,14 +518,28 @@ def max_in_flight(schedule: Schedule) -> list[int]:
     frees = "W" if splits_backward(schedule) else "B"
     peaks = []
     for actions in schedule:
-        held = peak = 0
-        for action in actions:
-            if action.kind not in ("F", frees):
-                continue
-            held += 1 if action.kind == "F" else -1
-            peak = max(peak, held)
-        peaks.append(peak)
+        pairs = [1.0] * (1 + max((a.chunk for a in actions), default=0))  # each pair 1
+        peaks.append(int(chunk_occupancy(actions, pairs, frees)[0]))
     return peaks
+
+
+def chunk_occupancy(
+    actions: list[Action], saved: Sequence[float], frees: str
+) -> tuple[float, list[tuple[float, int]]]:
+    """One stage's activations read off its actions, ``saved[c]`` per micro-batch of chunk
+    c from its forward to the action that ``frees`` them (B, or W where the backward is
+    split): the most held at once, and at each freeing action the amount held then (its
+    own pair included) and its chunk (``pipeline/chunk_cost``)."""
+    held = peak = 0.0
+    freed = []
+    for action in actions:
+        if action.kind == "F":
+            held += saved[action.chunk]
+            peak = max(peak, held)
+        elif action.kind == frees:
+            freed.append((held, action.chunk))
+            held -= saved[action.chunk]
+    return peak, freed
 
 
 def split_occupancy(actions: list[Action]) -> list[tuple[str, int, int]]:
