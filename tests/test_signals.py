@@ -29,6 +29,16 @@ TRAIN = [
 ]  # fmt: skip
 
 
+def _as_a_terminals_foreground_job() -> None:
+    """In the child before it runs: Ctrl-C's SIGINT at its default, as a terminal's
+    foreground job has it. An ignored signal stays ignored across exec, and a shell that
+    starts a job in the background (``cmd &`` without job control, ``nohup``) ignores
+    SIGINT in it: a suite run so would hand that on, and Python, started with SIGINT
+    ignored, keeps ignoring it (the launcher then trains on, and the Ctrl-C tests fail
+    for the way the suite was started, not for the code)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(arguments: list[str], *, progress: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     return subprocess.Popen(
@@ -38,6 +48,7 @@ def _start(arguments: list[str], *, progress: bool = False) -> subprocess.Popen:
         text=True,
         env=env,
         start_new_session=True,
+        preexec_fn=_as_a_terminals_foreground_job,
     )
 
 
