@@ -52,6 +52,21 @@ def _start(arguments: list[str], *, progress: bool = False) -> subprocess.Popen:
     )
 
 
+def _outcome(process: subprocess.Popen, *, timeout_s: float, after: str) -> tuple[str, str]:
+    """The run's output once it exited; a run still going after ``timeout_s`` is killed
+    with its whole group (so it cannot hold a core or a port for the tests after) and the
+    test fails saying so."""
+    try:
+        return process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, err = process.communicate()
+        raise AssertionError(
+            f"paratrain had not exited {timeout_s:.0f} s after {after}; its stderr's end:\n"
+            f"{err[-2000:]}"
+        ) from None
+
+
 def _wait_for_training(metrics: Path, process: subprocess.Popen, timeout_s: float = 120) -> None:
     """Until the run has logged a few steps (so the signal lands inside the loop)."""
     deadline = time.monotonic() + timeout_s
@@ -94,7 +109,7 @@ def test_sigterm_checkpoints_after_the_current_step_and_the_run_resumes(tmp_path
     process = _start(["--steps", "100000", "--run-dir", str(run)])
     _wait_for_training(run / "metrics.jsonl", process)
     process.send_signal(signal.SIGTERM)  # the launching process only: it forwards
-    out, err = process.communicate(timeout=120)
+    out, err = _outcome(process, timeout_s=120, after="SIGTERM")
     assert process.returncode == 143, err[-3000:]
     assert "Traceback" not in err
     line = next(ln for ln in err.splitlines() if "stopped by SIGTERM" in ln)
@@ -106,7 +121,7 @@ def test_sigterm_checkpoints_after_the_current_step_and_the_run_resumes(tmp_path
     assert f", {step} of 100000 steps (stopped by SIGTERM)," in out  # not the 100000 asked
     # The printed command, with only the length changed, continues from that step.
     resumed = _start(["--resume", str(run), "--steps", str(step + 2)])
-    out, err = resumed.communicate(timeout=180)
+    out, err = _outcome(resumed, timeout_s=180, after="its start")
     assert resumed.returncode == 0, err[-3000:]
     assert Checkpoint(run / "final").step == step + 2
 
@@ -126,7 +141,7 @@ def test_ctrl_c_stops_every_process_with_one_line(tmp_path, progress):
     workers = _children(process.pid)
     assert workers, "the launcher started no worker processes"
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
-    out, err = process.communicate(timeout=60)
+    out, err = _outcome(process, timeout_s=60, after="Ctrl-C")
     assert process.returncode == 130
     if progress:  # the bar's renders (redrawn with \r), then the line on a line of its own
         bar = [line for line in err.replace("\r", "\n").splitlines() if line.strip()][:-1]
@@ -208,7 +223,7 @@ def test_no_ps_worker_dies_of_the_launchers_late_copy_of_the_sigterm(tmp_path):
     copies = threading.Thread(target=_keep_signalling, args=(workers, stop), daemon=True)
     copies.start()
     try:
-        out, err = process.communicate(timeout=120)
+        out, err = _outcome(process, timeout_s=120, after="SIGTERM")
     finally:
         stop.set()
         copies.join()
@@ -233,7 +248,7 @@ def test_sigterm_to_every_process_of_a_ps_job_saves_a_checkpoint(tmp_path):
     everyone = process_group(process.pid)
     assert len(everyone) >= 4, "expected the launcher, two workers and a server"
     os.killpg(process.pid, signal.SIGTERM)
-    out, err = process.communicate(timeout=120)
+    out, err = _outcome(process, timeout_s=120, after="SIGTERM")
     assert process.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "ParameterServerLost" not in err, err[-3000:]
     # It failed once in 23 runs on a loaded machine with no evidence kept: each check
