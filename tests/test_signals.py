@@ -31,9 +31,9 @@ TRAIN = [
 
 def _as_a_terminals_foreground_job() -> None:
     """In the child before it runs: Ctrl-C's SIGINT at its default, as a terminal's
-    foreground job has it. An ignored signal stays ignored across exec, and a shell that
-    starts a job in the background (``cmd &`` without job control, ``nohup``) ignores
-    SIGINT in it: a suite run so would hand that on, and Python, started with SIGINT
+    foreground job has it. An ignored signal stays ignored across exec, and a shell
+    without job control (a script's, a CI runner's) starts ``cmd &`` with SIGINT
+    ignored: a suite started so would hand that on, and Python, started with SIGINT
     ignored, keeps ignoring it (the launcher then trains on, and the Ctrl-C tests fail
     for the way the suite was started, not for the code)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
