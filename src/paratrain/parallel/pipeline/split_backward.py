@@ -323,10 +323,10 @@ class LayerTape:
     @staticmethod
     def _input_and_unit_grads(layer: _Layer) -> list[torch.Tensor]:
         """B of a layer W takes unit by unit: the inputs' gradients, and each unit's
-        outputs' gradients kept on the unit (the layer's output gradient is then let go)."""
+        outputs' gradients kept on the unit (the layer's output gradient is then let go).
+        A layer has units only where it has inputs that need a gradient (``_run``,
+        ``run_piece``), so the call always has something to differentiate."""
         wanted = [out for unit in layer.units for out in unit.outputs]
-        if not wanted and not layer.inputs:
-            return []
         found = torch.autograd.grad(
             layer.outputs,
             [*layer.inputs, *wanted],
