@@ -18,7 +18,7 @@ from paratrain.planner.api import predict
 from paratrain.runtime.live_tensors import LiveTensors
 from paratrain.runtime.units import format_bytes
 
-HF = {"gpt2", "llama"}
+HF = {"gpt2", "gpt2-4", "llama"}
 HF_LENGTH, HF_VOCAB = 32, 256
 
 
@@ -31,13 +31,13 @@ def build(name: str):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if name == "gpt2":
+    if name.startswith("gpt2"):  # "gpt2-4": 4 blocks, for 2 stages x 2 virtual stages
         return GPT2LMHeadModel(
             GPT2Config(
                 vocab_size=HF_VOCAB,
                 n_positions=HF_LENGTH,
                 n_embd=128,
-                n_layer=2,
+                n_layer=4 if name == "gpt2-4" else 2,
                 n_head=4,
                 bos_token_id=0,
                 eos_token_id=0,
@@ -166,6 +166,13 @@ CONFIGS = [
         2,
         {"stages": 2, "micro_batches": 4, "virtual_stages": 2, "recompute": True},
     ),
+    # models cut at named blocks, priced per piece (``paratrain/parallel/piece_runs``)
+    ("gpt2", "pipeline", 2, {"stages": 2, "micro_batches": 4}),
+    ("gpt2", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"}),
+    ("llama", "pipeline", 2, {"stages": 2, "micro_batches": 4, "schedule": "gpipe"}),
+    ("gpt2", "pipeline", 4, {"stages": 2, "tensor": 2, "micro_batches": 4}),
+    ("gpt2-4", "pipeline", 2, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
+    ("gpt2-4", "pipeline", 4, {"stages": 4, "micro_batches": 8, "schedule": "zb-h2"}),
 ]
 """Every strategy but ``ps`` (never proposed), recompute on and off, bf16, the pipeline at
 2 and 4 stages under 1F1B and GPipe, ZB-H1, ZB-H2 and interleaved 1F1B at 2 stages, tp
@@ -204,7 +211,7 @@ CATEGORIES = {
     "recompute on": lambda m, s, d, o: bool(o.get("recompute")),
     "recompute off": lambda m, s, d, o: not o.get("recompute"),
     "bf16": lambda m, s, d, o: o.get("precision") == "bf16",
-    "Hugging Face GPT-2": lambda m, s, d, o: m == "gpt2",
+    "Hugging Face GPT-2": lambda m, s, d, o: m.startswith("gpt2"),
     "Hugging Face Llama": lambda m, s, d, o: m == "llama",
 }
 """What issue 29 asks the table to cover, each a test of a (model, strategy, devices,

@@ -18,6 +18,10 @@ def machine() -> MachineCosts:
 def model(kind: str):
     from paratrain.models import build_model
 
+    if kind.startswith("hf-"):  # "hf-gpt2" (4 blocks, its head tied) or "hf-llama"
+        from tests import hf_workers
+
+        return hf_workers.build(kind[3:], layers=4 if kind == "hf-gpt2" else 2)
     torch.manual_seed(0)
     if kind == "gpt":
         return build_model("gpt", vocab_size=17, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -28,6 +32,11 @@ def model(kind: str):
 
 def batch(kind: str, size: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
+    if kind.startswith("hf-"):
+        from tests import hf_workers
+
+        ids = torch.randint(0, hf_workers.VOCAB, (size, hf_workers.LENGTH), generator=generator)
+        return {"input_ids": ids}, ids.clone()
     if kind.startswith("gpt"):
         length, vocab = (16, 17) if kind == "gpt" else (32, 65)
         shape = (size, length)
@@ -45,8 +54,11 @@ def adam(params):
 
 
 def loss(kind: str):
+    from paratrain.losses import causal_lm_cross_entropy
     from paratrain.models import loss_for
 
+    if kind.startswith("hf-"):
+        return causal_lm_cross_entropy
     return loss_for("gpt" if kind.startswith("gpt") else "mlp")
 
 

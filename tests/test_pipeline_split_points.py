@@ -166,7 +166,7 @@ def test_a_shape_only_run_is_remembered_by_its_arguments_shapes():
 
 
 def test_only_arguments_that_say_all_a_shape_depends_on_are_remembered():
-    from paratrain.parallel.pipeline.stage_run import _signature
+    from paratrain.parallel.pipeline.stage_run import argument_signature
 
     class Cache:  # stands for Hugging Face's key-value cache base class
         pass
@@ -175,8 +175,10 @@ def test_only_arguments_that_say_all_a_shape_depends_on_are_remembered():
         pass
 
     tensor = torch.zeros(2, 3)
-    assert _signature((tensor, None, 3, "x")) == _signature((torch.ones(2, 3), None, 3, "x"))
-    assert _signature((tensor,)) != _signature((torch.zeros(3, 3),))
-    assert _signature({"cache": DynamicCache(), "x": tensor}) is not None
-    assert _signature({"cache": DynamicCache()}, caches=False) is None  # an output
-    assert _signature((tensor, object())) is None
+    assert argument_signature((tensor, None, 3, "x")) == argument_signature(
+        (torch.ones(2, 3), None, 3, "x")
+    )
+    assert argument_signature((tensor,)) != argument_signature((torch.zeros(3, 3),))
+    assert argument_signature({"cache": DynamicCache(), "x": tensor}) is not None
+    assert argument_signature({"cache": DynamicCache()}, caches=False) is None  # an output
+    assert argument_signature((tensor, object())) is None

@@ -178,7 +178,8 @@ class ModelCosts:
 
     layers: tuple[LayerCost, ...]
     layer_list: bool
-    """Whether ``layers`` are the model's layer list (else one entry: the whole model)."""
+    """Whether ``layers`` are the model's layer list (else one entry, the whole model, or
+    the pieces of a cut at named blocks: ``pieces``)."""
     tensor: int
     precision: str
     parameters: int
@@ -201,6 +202,10 @@ class ModelCosts:
     (``measure._pass_seconds``). The whole model's one forward and backward pays it twice,
     held in the layers' lines (scaled to add up to the whole model); a pipeline stage pays
     it on each of its passes of each micro-batch (``pipeline/cost.pass_overhead``)."""
+    pieces: str = ""
+    """Where not empty, ``layers`` are the pieces of the pipeline's cut of a model that is
+    no layer list before every block of this container (``parallel/piece_runs``): the first
+    holding what comes before the blocks, the last what comes after."""
     modules: tuple[tuple[str, str, int, bool], ...] = ()
     """Every module as (its ``named_modules`` path, its class name, the bytes of the
     trainable parameters it holds itself, a tied one at its first holder, whether it has a

@@ -149,14 +149,15 @@ class Strategy:
     @classmethod
     def predict(
         cls,
-        costs_for: Callable[[int], ModelCosts],
+        costs_for: Callable[..., ModelCosts],
         machine: MachineCosts,
         run: PlanRun,
         options: dict[str, Any],
     ) -> Prediction | None:
         """One worker's ledger at its peak and the seconds of a step for this layout, from
-        the measured costs (``costs_for(tensor)``: the model at that tensor degree); None
-        where the strategy does not model them."""
+        the measured costs (``costs_for(tensor)``: the model at that tensor degree;
+        ``costs_for(tensor, True)``: a model that is no layer list per piece of the
+        pipeline's cut at named blocks); None where the strategy does not model them."""
         return None
 
 

@@ -24,6 +24,7 @@ from paratrain.parallel.batching import batch_size
 from paratrain.parallel.cost_model import MachineCosts, ModelCosts, Run
 from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.options import RunSpec
+from paratrain.parallel.piece_runs import block_count
 from paratrain.parallel.registry import strategy_class, strategy_names
 from paratrain.parallel.strategy import engine_options
 from paratrain.parallel.tensor.options import PLAN_KEYWORD
@@ -70,14 +71,17 @@ class ModelMeasurements:
             dataclasses.asdict,
             cost_cache.optimizer_from_json,
         )
-        self._costs: dict[tuple[str, int], ModelCosts | ValueError] = {}
+        self._costs: dict[tuple[str, int, bool], ModelCosts | ValueError] = {}
         self._fingerprint: list[Any] | None = None
 
-    def costs(self, precision: str, tensor: int) -> ModelCosts:
-        key = (precision, tensor)
+    def costs(self, precision: str, tensor: int, pieces: bool = False) -> ModelCosts:
+        """``pieces``: a model that is no layer list, per piece of the pipeline's cut
+        before every block (``ModelCosts.pieces``) rather than whole."""
+        pieces = pieces and not is_layer_list(self.model)
+        key = (precision, tensor, pieces)
         if key not in self._costs:
             try:
-                self._costs[key] = self._cached(precision, tensor)
+                self._costs[key] = self._cached(precision, tensor, pieces)
             except ValueError as error:  # a split the model cannot take
                 self._costs[key] = error
         found = self._costs[key]
@@ -85,7 +89,7 @@ class ModelMeasurements:
             raise found
         return found
 
-    def _cached(self, precision: str, tensor: int) -> ModelCosts:
+    def _cached(self, precision: str, tensor: int, pieces: bool) -> ModelCosts:
         if self._fingerprint is None:  # the model's, once: the sources are read per class
             self._fingerprint = [
                 cost_cache.model_fingerprint(self.model),
@@ -95,7 +99,7 @@ class ModelMeasurements:
             ]
         return cost_cache.cached(
             "model",
-            [*self._fingerprint, precision, tensor, self.split_plan],
+            [*self._fingerprint, precision, tensor, self.split_plan, *(["pieces"] * pieces)],
             self.refresh,
             lambda: measure_model(
                 self.model,
@@ -106,6 +110,7 @@ class ModelMeasurements:
                 tensor=tensor,
                 split_plan=self.split_plan,
                 worker_threads=self.worker_threads,
+                pieces=pieces,
             ),
             cost_cache.costs_to_json,
             lambda data: cost_cache.costs_from_json(data, self.optimizer),
@@ -153,7 +158,7 @@ def candidates(
     """Every valid (strategy, options, accumulation, precision) for this run; a layout whose
     mesh or batch split the strategy refuses is never proposed."""
     listed = is_layer_list(model)
-    layers = len(layer_list(model)[0]) if listed else 1
+    layers = len(layer_list(model)[0]) if listed else block_count(model)
     out = []
     for name in strategies:
         cls = strategy_class(name)
@@ -196,7 +201,9 @@ def evaluate(
         )
         try:
             candidate.prediction = strategy_class(candidate.strategy).predict(
-                lambda tensor, p=candidate.precision: measurements.costs(p, tensor),
+                lambda tensor, pieces=False, p=candidate.precision: measurements.costs(
+                    p, tensor, pieces
+                ),
                 machine,
                 run,
                 candidate.options,

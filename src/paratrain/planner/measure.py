@@ -45,6 +45,7 @@ import copy
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layer_profile import detached, fresh_leaves, storage_key, tensors_in
 from paratrain.parallel.layers import is_layer_list, layer_list
+from paratrain.parallel.piece_runs import PieceRun, PieceRuns, pieces_container
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.split_backward_kept import kept_for_weight_pass
 from paratrain.parallel.strategy import optimizer_from_factory
@@ -458,20 +460,22 @@ def measure_model(
     samples: int | None = None,
     repeats: int = REPEATS,
     worker_threads: int | None = None,
+    pieces: bool = False,
 ) -> ModelCosts:
     """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
     ``samples`` and half as many (``samples``: the sample's own size by default; smaller
     where one run there would exceed ``SIZE_BUDGET_S``);
     ``tensor`` is the degree a worker runs at (1: the whole model, no split);
-    ``split_plan`` is the ``setup`` keyword naming which layers split how."""
+    ``split_plan`` is the ``setup`` keyword naming which layers split how; ``pieces``: a
+    model that is no layer list per piece of a cut at every block (``parallel/piece_runs``)."""
     inputs, targets = sample
     available = batch_size(inputs)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     subject = model if tensor == 1 else _split_copy(model, tensor, split_plan)
     listed = is_layer_list(subject)
-    layers = list(layer_list(subject)[0]) if listed else [subject]
     autocast_of = Precision.of(precision).autocast
     device = next((p.device for p in subject.parameters()), torch.device("cpu"))
+    cut = _Cut.of(subject, listed, pieces, device)
     points: dict[int, dict[str, Any]] = {}
     with _untouched(subject), threads(worker_threads):
 
@@ -487,7 +491,7 @@ def measure_model(
         for size in sorted({small, large}):
             micro = (_first(inputs, size), _first(targets, size))
             points[size] = _measure_point(
-                subject, layers, micro, loss_fn, lambda: autocast_of(device), repeats
+                subject, micro, loss_fn, lambda: autocast_of(device), repeats, cut
             )
             times = points[size]["times"]
             alone = sum(t[1] for t in times)
@@ -507,10 +511,11 @@ def measure_model(
     def envelope(i: int) -> Envelope:
         return _envelope((small, lo["live_peaks"][i]), (large, hi["live_peaks"][i]))
 
-    costs = _layer_costs(subject, layers, listed, line, envelope, layer_times)
+    costs = _layer_costs(cut, line, envelope, layer_times)
     return ModelCosts(
         layers=tuple(costs),
         layer_list=listed,
+        pieces=cut.container,
         tensor=tensor,
         precision=precision,
         parameters=parameters,
@@ -544,14 +549,16 @@ def module_listing(model: nn.Module) -> tuple[tuple[str, str, int, bool], ...]:
 
 def _measure_point(
     subject: nn.Module,
-    layers: list[nn.Module],
     micro: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], Any],
     autocast: Callable[[], Any],
     repeats: int,
+    cut: _Cut,
 ) -> dict[str, Any]:
     """One micro-batch size's trace (what autograd saves, per layer), the split layers'
-    messages and bytes, and each layer's (forward, forward+backward) seconds alone."""
+    messages and bytes, and each layer's (forward, forward+backward) seconds alone (each
+    piece of a cut at named blocks as its stage runs it: ``_Cut.stand_ins``)."""
+    layers = cut.layers
     trace = _Trace(subject, layers)
     calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
     trace.run(micro[0], micro[1], loss_fn, autocast())
@@ -561,21 +568,19 @@ def _measure_point(
     measured_peaks: dict[tuple, int] = {}  # and its live peak measured once
     measured_kept: dict[tuple, int] = {}  # and what a split backward's B keeps
     times, peaks, kept = [], [], []
+    stand_ins = cut.stand_ins(trace.inputs, micro[0])
     for i, layer in enumerate(layers):
-        if trace.inputs[i] is None:
+        layer, recorded = stand_ins.get(i, (layer, trace.inputs[i]))
+        if recorded is None:
             times.append((0.0, 0.0))
             peaks.append([(0, 0)])
             kept.append(0)
             continue
-        key = block_signature(layer, trace.inputs[i])
+        key = block_signature(layer, recorded)
         if key not in timed:
-            timed[key] = _layer_times(layer, trace.inputs[i], autocast, repeats)
-            measured_peaks[key] = _layer_live_peak(layer, trace.inputs[i], autocast)
-            measured_kept[key] = (  # a split backward needs a layer list
-                kept_for_weight_pass(layer, trace.inputs[i], autocast)
-                if is_layer_list(subject)
-                else 0
-            )
+            timed[key] = _layer_times(layer, recorded, autocast, repeats)
+            measured_peaks[key] = _layer_live_peak(layer, recorded, autocast)
+            measured_kept[key] = _kept(layer, recorded, autocast) if cut.splits else 0
         times.append(timed[key])
         peaks.append(measured_peaks[key])
         kept.append(measured_kept[key])
@@ -587,6 +592,14 @@ def _measure_point(
         "live_peaks": peaks,
         "kept": kept,
     }
+
+
+def _kept(layer: nn.Module, recorded: tuple[tuple, dict], autocast: Callable[[], Any]) -> int:
+    """What a zero-bubble B keeps for ``layer``'s W: a layer's, or a piece's as its stage
+    runs it (``PieceRun``)."""
+    if isinstance(layer, PieceRun):
+        return layer.kept_for_weight_pass(recorded, autocast)
+    return kept_for_weight_pass(layer, recorded, autocast)
 
 
 def block_signature(layer: nn.Module, recorded: tuple[tuple, dict]) -> tuple:
@@ -618,25 +631,24 @@ def block_signature(layer: nn.Module, recorded: tuple[tuple, dict]) -> tuple:
 
 
 def _layer_costs(
-    subject: nn.Module,
-    layers: list[nn.Module],
-    listed: bool,
+    cut: _Cut,
     line: Callable[[Callable[[dict], float]], Line],
     envelope: Callable[[int], Envelope],
     times: list[tuple[Curve, Curve]],
 ) -> list[LayerCost]:
-    """Each layer's ``LayerCost``: its parameters counted, its measured bytes as lines
-    through the two micro-batch sizes (``line``), its live peak as their ``envelope``, its
-    (forward and backward, forward) seconds as ``times`` gives them."""
+    """Each layer's ``LayerCost``: its parameters counted (a piece's those its stage
+    holds, ``_Cut.holders``), its measured bytes as lines through the two micro-batch
+    sizes (``line``), its live peak as their ``envelope``, its (forward and backward,
+    forward) seconds as ``times`` gives them."""
     costs = []
-    for i, layer in enumerate(layers):
+    for i, (layer, counted) in enumerate(cut.holders):
         trainable = [p for p in layer.parameters() if p.requires_grad]
         frozen = [p for p in layer.parameters() if not p.requires_grad]
         costs.append(
             LayerCost(
-                name=_layer_name(subject, layer, listed),
+                name=cut.names[i],
                 param_bytes=sum(p.numel() * p.element_size() for p in trainable),
-                all_param_elements=sum(p.numel() for p in layer.parameters()),
+                all_param_elements=counted,
                 param_elements=sum(p.numel() for p in trainable),
                 param_tensors=len(trainable),
                 frozen_bytes=sum(t.numel() * t.element_size() for t in [*frozen, *layer.buffers()]),
@@ -683,6 +695,45 @@ def _layer_name(model: nn.Module, layer: nn.Module, listed: bool) -> str:
         if module is layer:
             return name
     return type(layer).__name__
+
+
+@dataclass
+class _Cut:
+    """What the model is measured as: its layer list, the whole model as one layer, or
+    (``pieces``) the pieces of the pipeline's cut before every block (``parallel/piece_runs``)."""
+
+    layers: list[nn.Module]
+    """The modules the trace books saved bytes to (hooked at their calls)."""
+    names: list[str]
+    holders: list[tuple[nn.Module, int]]
+    """Per layer, the module holding its parameters and the count a cut balances it by."""
+    splits: bool
+    """Whether a split backward (zero-bubble) can run it: a layer list's or a cut's."""
+    container: str = ""
+    runs: PieceRuns | None = None
+
+    @classmethod
+    def of(cls, subject: nn.Module, listed: bool, pieces: bool, device: torch.device) -> _Cut:
+        if listed or not pieces:
+            layers = list(layer_list(subject)[0]) if listed else [subject]
+            names = [_layer_name(subject, layer, listed) for layer in layers]
+            counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+            return cls(layers, names, list(zip(layers, counts, strict=True)), listed)
+        container = pieces_container(subject)
+        if container is None:
+            raise ValueError(
+                f"{type(subject).__name__} has no ModuleList or nn.Sequential of blocks, so "
+                "it cannot be cut into stages at named blocks; its layouts that need that "
+                "have no costs."
+            )
+        runs = PieceRuns(subject, container, device)
+        names = [f"{container}.{index}" for index in range(len(runs.blocks))]
+        return cls(runs.blocks, names, runs.holders(), True, container, runs)
+
+    def stand_ins(self, recorded: list[Any], inputs: Any) -> dict[int, tuple[nn.Module, Any]]:
+        """What each layer is measured as, and on, where that is not the layer on its
+        recorded input: every piece's run (``PieceRuns.stand_ins``); none without pieces."""
+        return {} if self.runs is None else self.runs.stand_ins(recorded, inputs)
 
 
 def measure_optimizer(

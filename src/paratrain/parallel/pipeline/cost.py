@@ -47,6 +47,7 @@ from paratrain.parallel.pipeline.options import (
     BALANCE_BY,
     MICRO_BATCHES,
     SCHEDULE,
+    SPLIT_POINTS,
     VIRTUAL_STAGES,
     micro_batches_per_replica,
 )
@@ -70,7 +71,11 @@ MICRO_BATCH_FIGURE = "micro_batch_s"
 
 
 def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: float):
-    """The engine's balance for this model (see ``choose_balance``)."""
+    """The engine's balance for this model (see ``choose_balance``); for a model cut at
+    named blocks (``ModelCosts.pieces``), its split points' or, without them, the
+    automatic cut's by parameter count (``split_points``)."""
+    if unsplit.pieces:
+        return _blocks_per_stage(unsplit, stages, options.get(SPLIT_POINTS.name))
     layers_per_stage = options.get(BALANCE.name)
     if layers_per_stage is not None:
         return validate_balance(layers_per_stage, layers=len(unsplit.layers), stages=stages)
@@ -84,6 +89,31 @@ def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: 
         for layer in unsplit.layers
     ]
     return partition(given(options, BALANCE_BY), profiles, stages)
+
+
+def _blocks_per_stage(unsplit: ModelCosts, stages: int, split_points: list[str] | None):
+    """Blocks per stage of a cut at named blocks: at ``split_points`` (each a block of
+    the measured container), else where the engine's automatic cut puts them (the exact
+    balancer on each piece's parameter count, 4 bytes each, as ``split_points`` does)."""
+    blocks = len(unsplit.layers)
+    if split_points is None:
+        counts = [layer.all_param_elements for layer in unsplit.layers]
+        profiles = [LayerProfile(param_count=c, param_bytes=4 * c) for c in counts]
+        return partition("params", profiles, stages)
+    starts = [0]
+    for point in split_points:
+        container, _, index = point.rpartition(".")
+        if container != unsplit.pieces or not index.isdigit():
+            raise ValueError(
+                f"split point {point!r} is not a block of {unsplit.pieces!r}, the blocks the "
+                "planner measured; name blocks of that container."
+            )
+        starts.append(int(index))
+    return validate_balance(
+        [b - a for a, b in zip(starts, [*starts[1:], blocks], strict=True)],
+        layers=blocks,
+        stages=stages,
+    )
 
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int, chunks: int = 1) -> float:
@@ -281,6 +311,11 @@ def predict(
     layout: Layout,
 ) -> Prediction:
     replicas, stages = layout.replicas, layout.stages
+    if not (unsplit.layer_list or unsplit.pieces):
+        raise ValueError(
+            "the model was measured whole; measure it per piece of its cut at named blocks "
+            "(``ModelMeasurements.costs(pieces=True)``) to price a pipeline."
+        )
     chunks = given(options, VIRTUAL_STAGES)
     micro = micro_batches_per_replica(stages, options.get(MICRO_BATCHES.name))
     schedule = given(options, SCHEDULE)

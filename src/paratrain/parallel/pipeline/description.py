@@ -144,9 +144,10 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
     def plan_layouts(cls, devices: int, *, layer_list: bool) -> list[dict[str, Any]]:
         """Every stage count (2 and up) that divides the workers, with 1, 2 and 4
         micro-batches per stage, each schedule of ``PROPOSED_SCHEDULES``, every tensor
-        degree of the rest, each with and without recompute. Only for a layer list: the
-        planner measures its layers one by one, which is what a stage's costs are made of
-        (a model cut at named blocks is measured whole).
+        degree of the rest, each with and without recompute. A model cut at named blocks
+        (no layer list) is priced per piece of its cut before every block
+        (``parallel/piece_runs``), so it gets the same layouts but for recompute, which its
+        pipeline refuses.
 
         ZB-H1 and ZB-H2 are proposed since their prediction counts what the split backward
         keeps from B to W (``split_cost``; on a 2-worker gpt at 2 micro-batches it was 20%
@@ -158,15 +159,13 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
         (``structure.flatten``), 17.5% over under recompute while a backward was counted
         over both chunks at once, and 13% over on a 2-block gpt whose embedding chunk was
         priced as half a stage (each chunk is counted on its own now: ``chunk_cost``)."""
-        if not layer_list:
-            return []
         schedules = PROPOSED_SCHEDULES
         layouts = []
         for stages in (s for s in divisors(devices) if s >= 2):
             for tensor in divisors(devices // stages):
                 for micro in (stages, 2 * stages, 4 * stages):
                     for (schedule, chunks), recompute in product(schedules, (False, True)):
-                        if recompute and schedule in SPLIT_SCHEDULES:
+                        if recompute and (schedule in SPLIT_SCHEDULES or not layer_list):
                             continue  # its per-layer recompute: not held against live memory
                         layout = {"stages": stages, "micro_batches": micro}
                         if schedule != "1f1b":
@@ -187,7 +186,15 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
 
     @classmethod
     def predict(cls, costs_for, machine, run, options):
+        """A model that is no layer list is priced per piece of its cut at named blocks
+        (``ModelCosts.pieces``), as its stages hold and run them."""
         layout = cls.layout(run.devices, options)
+        pieces = not costs_for(1).layer_list
         return pipeline_cost.predict(
-            costs_for(layout.tensor), costs_for(1), machine, run, options, layout=layout
+            costs_for(layout.tensor, pieces),
+            costs_for(1, pieces),
+            machine,
+            run,
+            options,
+            layout=layout,
         )

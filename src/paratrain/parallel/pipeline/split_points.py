@@ -128,21 +128,51 @@ def _starts_from_names(
     return parents.pop() if parents else "", starts
 
 
-def _automatic_starts(model: nn.Module, stages: int) -> tuple[str, list[int]]:
+def blocks_container(model: nn.Module, stages: int = 2) -> str:
+    """The container an automatic cut into ``stages`` pieces uses: the one with the most
+    parameters among those with at least ``stages`` blocks (the first on a tie)."""
     candidates = {n: c for n, c in block_containers(model).items() if len(c) >= stages}
     if not candidates:
         raise PartitionError(
             f"{type(model).__name__} has no ModuleList or nn.Sequential of at least {stages} "
             "blocks to cut into stages; use fewer stages or pass split_points."
         )
-    name = max(candidates, key=lambda n: _param_count(candidates[n]))  # first on a tie
-    blocks = list(candidates[name])
+    return max(candidates, key=lambda n: _param_count(candidates[n]))
+
+
+def block_count(model: nn.Module) -> int:
+    """The most pieces an automatic cut can make of a model that is no layer list: the
+    blocks of its largest container (1 where it has none: it runs whole)."""
+    containers = block_containers(model)
+    return len(containers[blocks_container(model)]) if containers else 1
+
+
+def piece_param_counts(model: nn.Module, container: str) -> list[int]:
+    """Parameters per block of ``container`` as the automatic cut balances them: the
+    parameters registered before the blocks counted with the first, those after with the
+    last, a tied Parameter once (at its first holder)."""
+    blocks = list(model.get_submodule(container))
     counts = [_param_count(block) for block in blocks]
     inside = sum(counts)
     outside = sum(p.numel() for p in model.parameters()) - inside  # ties counted once
-    before, after = _outside_split(model, name)
+    before, after = _outside_split(model, container)
     counts[0] += before if outside else 0
     counts[-1] += after if outside else 0
+    return counts
+
+
+def every_block(model: nn.Module, container: str) -> StagePlan:
+    """The plan that cuts ``model`` before every block of ``container``: piece ``i`` is
+    block ``i``, the first also holding what comes before the blocks, the last what comes
+    after (what the planner measures a model cut at named blocks by)."""
+    blocks = len(model.get_submodule(container))
+    starts = list(range(blocks))
+    return StagePlan(container, starts, blocks, _owners(model, container, starts))
+
+
+def _automatic_starts(model: nn.Module, stages: int) -> tuple[str, list[int]]:
+    name = blocks_container(model, stages)
+    counts = piece_param_counts(model, name)
     profiles = [LayerProfile(param_count=c, param_bytes=4 * c) for c in counts]
     bounds = stage_bounds(partition("params", profiles, stages))
     return name, [start for start, _ in bounds]

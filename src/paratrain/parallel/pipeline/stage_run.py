@@ -98,7 +98,7 @@ def _is_cache(value: Any) -> bool:
     return any(kind.__name__ == "Cache" for kind in type(value).__mro__)
 
 
-def _signature(value: Any, *, caches: bool = True) -> Any:
+def argument_signature(value: Any, *, caches: bool = True) -> Any:
     """A hashable description of ``value``'s structure and its tensors' shapes, dtypes and
     devices; None where it holds an object whose content could matter (anything but
     tensors, plain values, containers of them and, with ``caches``, key-value caches), so
@@ -109,10 +109,10 @@ def _signature(value: Any, *, caches: bool = True) -> Any:
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return ("value", value)
     if isinstance(value, (tuple, list)):
-        items = [_signature(item, caches=caches) for item in value]
+        items = [argument_signature(item, caches=caches) for item in value]
         return None if None in items else (type(value).__name__, tuple(items))
     if isinstance(value, dict):
-        items = [(key, _signature(item, caches=caches)) for key, item in value.items()]
+        items = [(key, argument_signature(item, caches=caches)) for key, item in value.items()]
         if any(item is None or not isinstance(key, str) for key, item in items):
             return None
         return (type(value).__name__, tuple(items))
@@ -373,16 +373,16 @@ class NamedStage:
 
     def _shape_only(self, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Placeholders of the shapes ``forward`` returns on meta copies of its arguments.
-        Remembered by module and by the arguments' shapes (``_signature``): a meta run
+        Remembered by module and by the arguments' shapes (``argument_signature``): a meta run
         goes through torch's Python reference kernels, about a third of the real block's
         time (7 ms against 20 for a GPT-2 block of 4 x 128 x 256), every micro-batch."""
-        signature = _signature((args, kwargs))
+        signature = argument_signature((args, kwargs))
         key = None if signature is None else (name, signature)
         out = self._shapes.get(key) if key is not None else None
         if out is None:
             with torch.no_grad():
                 out = forward(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
-            if key is not None and _signature(out, caches=False) is not None:
+            if key is not None and argument_signature(out, caches=False) is not None:
                 if len(self._shapes) >= REMEMBERED_SHAPES:
                     self._shapes.clear()  # shapes that keep changing (every sequence length)
                 self._shapes[key] = out  # on meta: holds no memory
