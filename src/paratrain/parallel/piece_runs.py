@@ -109,10 +109,9 @@ class PieceRuns:
             if piece == 0:
                 run, arguments = self.ends[0], (inputs,)
             else:
-                run, arguments = self._run_of(piece, block, recorded[piece]), None
-            run.feed(inputs)
-            if arguments is None:
+                run = self._run_of(piece, block, recorded[piece])
                 arguments = tuple(tensors_in(recorded[piece]))
+            run.feed(inputs)
             called[piece] = (run, (arguments, {}))
         return called
 
