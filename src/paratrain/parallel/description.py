@@ -157,7 +157,8 @@ class Strategy:
         """One worker's ledger at its peak and the seconds of a step for this layout, from
         the measured costs (``costs_for(tensor)``: the model at that tensor degree;
         ``costs_for(tensor, True)``: a model that is no layer list per piece of the
-        pipeline's cut at named blocks); None where the strategy does not model them."""
+        pipeline's cut at named blocks, a layer list as it is); None where the strategy
+        does not model them."""
         return None
 
 

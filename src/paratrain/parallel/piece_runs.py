@@ -30,16 +30,15 @@ from torch import nn
 
 from paratrain.parallel.pipeline.split_backward import ChunkOwners
 from paratrain.parallel.pipeline.split_points import (
-    block_containers,
+    automatic_container,
     block_count,
-    blocks_container,
     every_block,
     piece_param_counts,
 )
 from paratrain.parallel.pipeline.stage_run import NamedStage, argument_signature, tensors_in
 from paratrain.parallel.split_backward_kept import kept_for_piece
 
-__all__ = ["PieceRun", "PieceRuns", "block_count", "pieces_container"]
+__all__ = ["PieceRun", "PieceRuns", "automatic_container", "block_count"]
 
 
 class PieceRun(nn.Module):
@@ -71,13 +70,6 @@ class PieceRun(nn.Module):
         stage's W takes units by (``NamedStage.piece_owners``)."""
         with ChunkOwners(*self._stage.piece_owners(0)) as owners:
             return kept_for_piece(self, recorded, owners, autocast_of)
-
-
-def pieces_container(model: nn.Module) -> str | None:
-    """The blocks an automatic cut uses, or None where the model has none to cut at."""
-    if not block_containers(model):
-        return None
-    return blocks_container(model)
 
 
 class PieceRuns:

@@ -57,6 +57,7 @@ class ModelMeasurements:
         refresh: bool = False,
     ) -> None:
         self.model, self.sample, self.loss_fn = model, sample, loss_fn
+        self._cut_at_blocks = not is_layer_list(model)  # what ``pieces`` measures
         self.split_plan = split_plan
         self.worker_threads = worker_threads
         self.refresh = refresh
@@ -76,8 +77,9 @@ class ModelMeasurements:
 
     def costs(self, precision: str, tensor: int, pieces: bool = False) -> ModelCosts:
         """``pieces``: a model that is no layer list, per piece of the pipeline's cut
-        before every block (``ModelCosts.pieces``) rather than whole."""
-        pieces = pieces and not is_layer_list(self.model)
+        before every block (``ModelCosts.pieces``) rather than whole; a layer list is
+        measured per layer either way."""
+        pieces = pieces and self._cut_at_blocks
         key = (precision, tensor, pieces)
         if key not in self._costs:
             try:

@@ -64,7 +64,7 @@ from paratrain.parallel.fused_optim import with_fused_kernel
 from paratrain.parallel.inputs import call_model
 from paratrain.parallel.layer_profile import detached, fresh_leaves, storage_key, tensors_in
 from paratrain.parallel.layers import is_layer_list, layer_list
-from paratrain.parallel.piece_runs import PieceRun, PieceRuns, pieces_container
+from paratrain.parallel.piece_runs import PieceRun, PieceRuns, automatic_container
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.split_backward_kept import kept_for_weight_pass
 from paratrain.parallel.strategy import optimizer_from_factory
@@ -719,7 +719,7 @@ class _Cut:
             names = [_layer_name(subject, layer, listed) for layer in layers]
             counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
             return cls(layers, names, list(zip(layers, counts, strict=True)), listed)
-        container = pieces_container(subject)
+        container = automatic_container(subject)
         if container is None:
             raise ValueError(
                 f"{type(subject).__name__} has no ModuleList or nn.Sequential of blocks, so "

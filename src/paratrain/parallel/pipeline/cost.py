@@ -61,6 +61,7 @@ from paratrain.parallel.pipeline.schedules import (
     timed_bubble,
 )
 from paratrain.parallel.pipeline.split_cost import split_moments
+from paratrain.parallel.pipeline.split_points import automatic_balance
 from paratrain.parallel.pipeline.structure import HEADER_BYTES
 from paratrain.parallel.recompute import RECOMPUTE
 from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
@@ -93,13 +94,11 @@ def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: 
 
 def _blocks_per_stage(unsplit: ModelCosts, stages: int, split_points: list[str] | None):
     """Blocks per stage of a cut at named blocks: at ``split_points`` (each a block of
-    the measured container), else where the engine's automatic cut puts them (the exact
-    balancer on each piece's parameter count, 4 bytes each, as ``split_points`` does)."""
+    the measured container), else where the engine's automatic cut puts them
+    (``split_points.automatic_balance`` on each piece's parameter count)."""
     blocks = len(unsplit.layers)
     if split_points is None:
-        counts = [layer.all_param_elements for layer in unsplit.layers]
-        profiles = [LayerProfile(param_count=c, param_bytes=4 * c) for c in counts]
-        return partition("params", profiles, stages)
+        return automatic_balance([layer.all_param_elements for layer in unsplit.layers], stages)
     starts = [0]
     for point in split_points:
         container, _, index = point.rpartition(".")

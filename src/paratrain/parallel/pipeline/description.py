@@ -187,14 +187,8 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
     @classmethod
     def predict(cls, costs_for, machine, run, options):
         """A model that is no layer list is priced per piece of its cut at named blocks
-        (``ModelCosts.pieces``), as its stages hold and run them."""
+        (``ModelCosts.pieces``), as its stages hold and run them; a layer list per layer."""
         layout = cls.layout(run.devices, options)
-        pieces = not costs_for(1).layer_list
         return pipeline_cost.predict(
-            costs_for(layout.tensor, pieces),
-            costs_for(1, pieces),
-            machine,
-            run,
-            options,
-            layout=layout,
+            costs_for(layout.tensor, True), costs_for(1, True), machine, run, options, layout=layout
         )

@@ -140,11 +140,17 @@ def blocks_container(model: nn.Module, stages: int = 2) -> str:
     return max(candidates, key=lambda n: _param_count(candidates[n]))
 
 
+def automatic_container(model: nn.Module) -> str | None:
+    """The blocks an automatic cut uses (``blocks_container``), or None where the model
+    has no container of blocks to cut at."""
+    return blocks_container(model) if block_containers(model) else None
+
+
 def block_count(model: nn.Module) -> int:
     """The most pieces an automatic cut can make of a model that is no layer list: the
     blocks of its largest container (1 where it has none: it runs whole)."""
-    containers = block_containers(model)
-    return len(containers[blocks_container(model)]) if containers else 1
+    container = automatic_container(model)
+    return 1 if container is None else len(model.get_submodule(container))
 
 
 def piece_param_counts(model: nn.Module, container: str) -> list[int]:
@@ -170,11 +176,16 @@ def every_block(model: nn.Module, container: str) -> StagePlan:
     return StagePlan(container, starts, blocks, _owners(model, container, starts))
 
 
+def automatic_balance(counts: list[int], stages: int) -> list[int]:
+    """Blocks per stage of the automatic cut: the exact balancer on each piece's parameter
+    count (``piece_param_counts``), 4 bytes each."""
+    profiles = [LayerProfile(param_count=c, param_bytes=4 * c) for c in counts]
+    return partition("params", profiles, stages)
+
+
 def _automatic_starts(model: nn.Module, stages: int) -> tuple[str, list[int]]:
     name = blocks_container(model, stages)
-    counts = piece_param_counts(model, name)
-    profiles = [LayerProfile(param_count=c, param_bytes=4 * c) for c in counts]
-    bounds = stage_bounds(partition("params", profiles, stages))
+    bounds = stage_bounds(automatic_balance(piece_param_counts(model, name), stages))
     return name, [start for start, _ in bounds]
 
 
