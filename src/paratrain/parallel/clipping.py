@@ -47,10 +47,13 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
-def clip_local(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Every gradient is here (one device, or a replica after the all-reduce): torch's own."""
+def clip_local(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Every gradient is here (one device, or a replica after the all-reduce): torch's own.
+    The norm stays a tensor on the device: reading it waits for the device, so a step reads
+    it only once the optimizer's work is queued (on a GPU a read here idled it ~1 ms a step
+    while the optimizer's launches ran on the host)."""
     grads = [p for p in parameters if p.grad is not None]
-    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return torch.nn.utils.clip_grad_norm_(grads, max_norm)
 
 
 def clip_distributed(

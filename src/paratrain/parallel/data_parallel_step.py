@@ -48,15 +48,17 @@ class GradientReducer(Protocol):
     def after_backward(self) -> None:
         """After the micro-batch's backward and the ledger's release of its activations."""
 
-    def finish(self, totals: LossTotals) -> float:
+    def finish(self, totals: LossTotals) -> torch.Tensor | float:
         """Wait for every reduction; return the global batch's mean loss (the replicas'
-        contributions summed, where the reduction carries them)."""
+        contributions summed, where the reduction carries them). A tensor is read by the
+        step after the optimizer's work is queued, so the read does not idle the device."""
 
     def grads_finite(self, precision: Precision, device: torch.device) -> bool:
         """Unscale fp16 gradients and say whether every worker steps (one vote for all)."""
 
-    def clip(self, max_norm: float) -> float:
-        """Clip the global gradient norm to ``max_norm``; return the norm before it."""
+    def clip(self, max_norm: float) -> torch.Tensor | float:
+        """Clip the global gradient norm to ``max_norm``; return the norm before it (a
+        tensor read as ``finish``'s loss is)."""
 
     def after_optimizer_step(self) -> None:
         """After the optimizer stepped (ZeRO stages 1-2 gather the updated slices)."""
@@ -130,4 +132,6 @@ class DataParallelStep:
             self.optimizer.step()
             self.reducer.after_optimizer_step()
         self.memory.end_step()
-        return StepOutcome(mean_loss, samples, comm.bytes_sent() - bytes_before, grad_norm)
+        sent = comm.bytes_sent() - bytes_before
+        norm = None if grad_norm is None else float(grad_norm)
+        return StepOutcome(float(mean_loss), samples, sent, norm)

@@ -99,10 +99,13 @@ class SingleDeviceEngine(Engine):
             (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
             self.memory.release(index)
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
+        norm = None  # read after the optimizer's work is queued (see clip_local)
         if self.precision.unscale_and_check(grads, synchronized=True):
             if self.max_grad_norm is not None:
-                self._grad_norm = clip_local(self.model.parameters(), self.max_grad_norm)
+                norm = clip_local(self.model.parameters(), self.max_grad_norm)
             self.optimizer.step()
+        if norm is not None:
+            self._grad_norm = float(norm)
         self.steps_taken += 1
         self.memory.end_step()
         return self._step_stats(float(totals.contribution()), samples)

@@ -55,17 +55,17 @@ class AllReduceGradients:
     def after_backward(self) -> None:
         """Nothing to release."""
 
-    def finish(self, totals: LossTotals) -> float:
+    def finish(self, totals: LossTotals) -> torch.Tensor:
         if self.buckets is not None:
-            return float(self.buckets.finish(extras_count=1)[0])
-        return float(totals.contribution())
+            return self.buckets.finish(extras_count=1)[0]
+        return totals.contribution()
 
     def grads_finite(self, precision: Precision, device: torch.device) -> bool:
         grads = (p.grad for p in self.model.parameters())  # read only under fp16
         # split gradients differ between a tensor group's members: their vote is a message
         return precision.unscale_and_check(grads, synchronized=self.tensor_split is None)
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float) -> torch.Tensor | float:
         """Every replica holds the whole gradient after the all-reduce; within a tensor
         group a split parameter's slices add their squares, a replicated one counts once."""
         if self.tensor_split is None:

@@ -307,7 +307,7 @@ class ParameterServerEngine(ServerCheckpoints, Engine):
         carries = self.precision.unscale_and_check(grads, synchronized=True)
         if carries and self.max_grad_norm is not None and self.staleness != 0:
             # Each asynchronous push is a step of its own: clipped here, by its own norm.
-            self._grad_norm = clip_local(self.model.parameters(), self.max_grad_norm)
+            self._grad_norm = float(clip_local(self.model.parameters(), self.max_grad_norm))
         compute_s = time.perf_counter() - started
         if self._last_compute_s is None:  # the first step: no earlier compute to go by
             self._straggle(compute_s)
