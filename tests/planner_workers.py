@@ -27,6 +27,8 @@ def model(kind: str):
         return build_model("gpt", vocab_size=17, block_size=16, n_layer=2, n_head=4, n_embd=32)
     if kind == "gpt-wide":  # activations large beside the link buffers and headers
         return build_model("gpt", vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=128)
+    if kind == "gpt-vocab":  # logits outweigh a block: the loss's backward is the peak
+        return build_model("gpt", vocab_size=4096, block_size=16, n_layer=2, n_head=4, n_embd=32)
     return build_model("mlp", in_features=32, hidden=64, depth=3, classes=10)
 
 
@@ -38,7 +40,7 @@ def batch(kind: str, size: int, seed: int = 0):
         ids = torch.randint(0, hf_workers.VOCAB, (size, hf_workers.LENGTH), generator=generator)
         return {"input_ids": ids}, ids.clone()
     if kind.startswith("gpt"):
-        length, vocab = (16, 17) if kind == "gpt" else (32, 65)
+        length, vocab = {"gpt": (16, 17), "gpt-vocab": (16, 4096)}.get(kind, (32, 65))
         shape = (size, length)
         return (
             torch.randint(0, vocab, shape, generator=generator),

@@ -196,6 +196,12 @@ class ModelCosts:
     """Bytes of the targets the loss saves, likewise."""
     loss_saved: Line = field(default_factory=Line.zero)
     """Bytes the loss saves of its own (log-probabilities), in the micro-batch's samples."""
+    loss_transient: Line = field(default_factory=Line.zero)
+    """Bytes live at the highest moment of the loss's forward and backward alone on the
+    model's outputs, those outputs not counted: what it saves, its output gradient's chain
+    (cross-entropy: the log-probabilities, their gradient and the logits' gradient, three
+    logits-sized tensors at once), in the micro-batch's samples. The moment a worker that
+    computes the loss holds it is backward's first (``live_cost.backward_peak``)."""
     pass_s: float = 0.0
     """Seconds of the fixed work of one pass called on its own (a forward, or a backward
     from its output's gradient), whatever its layers hold: measured on a one-element pass

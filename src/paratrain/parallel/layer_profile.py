@@ -10,9 +10,10 @@ number generator state is put back so that a seeded run does not change by profi
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,21 @@ def _param_profile(layer: nn.Module) -> LayerProfile:
 def param_profiles(layers: Sequence[nn.Module]) -> list[LayerProfile]:
     """Parameter counts and bytes of each layer, without running anything."""
     return [_param_profile(layer) for layer in layers]
+
+
+def map_output_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to each tensor inside tuples, lists and dicts (a
+    ``ModelOutput`` too); other objects (a cache, flags) are kept as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        mapped = copy.copy(value)
+        for key in list(value):
+            mapped[key] = map_output_tensors(value[key], fn)
+        return mapped
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(map_output_tensors(item, fn) for item in value)
+    return value
 
 
 def tensors_in(value: Any) -> list[Tensor]:

@@ -5,7 +5,9 @@ activations autograd saves and communication buffers at the points an engine mea
 A device runs out of *live* storages, at any instant: the independent count
 (``runtime/live_tensors``) sees more, at two moments the ledger does not sample:
 
-- in backward, at some layer: what the earlier layers still hold for their own backward,
+- in backward, at the loss (its own peak alone, ``ModelCosts.loss_transient``, over all
+  the layers hold for their backward) or at some layer: what the earlier layers still
+  hold for their own backward,
   the gradients already made (where they are not kept between steps), and the layer's
   own backward at its peak (``LayerCost.transient``: its saved tensors, its output's
   gradient, its operators' temporaries, its input's and parameters' gradients). Under
@@ -76,6 +78,8 @@ def backward_peak(
         held_before.append((kept if recompute else start) + segment)
         segment += layer.saved.at(samples)
     peak, made = 0.0, 0.0
+    if picked[-1] == len(costs.layers) - 1:  # backward's first moment: the loss's own
+        peak = (kept if recompute else start + segment) + costs.loss_transient.at(samples)
     for position in reversed(range(len(picked))):
         index = picked[position]
         layer = costs.layers[index]

@@ -95,6 +95,7 @@ class SingleDeviceEngine(Engine):
             with self.memory.forward(index), self.precision.autocast(self._device):
                 outputs = call_model(self._forward, part_inputs(micro_in, items, k))
                 loss = totals.add(self.loss_fn(outputs, micro_tgt))
+                del outputs  # not held through backward (a gpt's logits: as big as a block)
             scaled = loss / totals.divisor  # a mean by k, a sum by the global count
             (scaled * self.precision.scale if self.precision.scales_loss else scaled).backward()
             self.memory.release(index)

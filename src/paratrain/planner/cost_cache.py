@@ -41,13 +41,13 @@ from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 10
+FORMAT = 11
 """Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
 optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines; 4: the
 module listing; 5: a pass's fixed seconds, ``pass_s``; 9: a layer's seconds a ``Curve``
 through four sizes, timed with gradients accumulated; 10: the pieces of a cut at named
-blocks, ``ModelCosts.pieces``), so that a file of an older shape is measured again rather
-than read with defaults."""
+blocks, ``ModelCosts.pieces``; 11: the loss's own live peak, ``loss_transient``), so
+that a file of an older shape is measured again rather than read with defaults."""
 
 
 def _code(code: Any) -> list[Any]:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.inputs import as_arguments
+from paratrain.parallel.layer_profile import map_output_tensors as map_tensors
 from paratrain.parallel.pipeline.partition import PartitionError
 from paratrain.parallel.pipeline.split_points import StagePlan
 from paratrain.parallel.pipeline.ties import release_shared
@@ -51,21 +52,6 @@ class _StageEnd(Exception):  # noqa: N818 - control flow, not an error
     def __init__(self, value: list[torch.Tensor]) -> None:
         super().__init__("stage boundary")
         self.value = value
-
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with ``fn`` applied to each tensor inside tuples, lists and dicts (a
-    ``ModelOutput`` too); other objects (a cache, flags) are kept as they are."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        mapped = copy.copy(value)
-        for key in list(value):
-            mapped[key] = map_tensors(value[key], fn)
-        return mapped
-    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(map_tensors(item, fn) for item in value)
-    return value
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
