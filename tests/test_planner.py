@@ -952,6 +952,24 @@ def test_a_split_the_model_refuses_is_kept_and_refused_again_from_the_file():
     assert len(calls) == 1
 
 
+def test_what_other_code_measured_or_refused_is_measured_again(monkeypatch):
+    """A refusal cached from a bug once outlived its fix (until ``FORMAT`` moved): the
+    key holds a digest of paratrain's source, so other code measures again."""
+    from paratrain.planner import cost_cache
+
+    calls = []
+
+    def refuse():
+        calls.append(1)
+        raise ValueError("a refusal from a bug")
+
+    with pytest.raises(ValueError, match="from a bug"):
+        cost_cache.cached("model", ["a model"], False, refuse, dict, dict)
+    monkeypatch.setattr(cost_cache, "code_fingerprint", lambda: "fixed code")
+    assert cost_cache.cached("model", ["a model"], False, lambda: {"a": 1}, dict, dict) == {"a": 1}
+    assert len(calls) == 1
+
+
 def test_an_interrupted_optimizer_step_does_not_become_the_probes_figure(monkeypatch):
     """Steps another process interrupts take tens of times longer (seen on this 2-core
     machine: 48, 1.4, 0.7, 26, 0.6, 0.4 ... ms for the probe's step); a median of three

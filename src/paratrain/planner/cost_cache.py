@@ -14,7 +14,10 @@ it), named by a digest of everything the figures depend on:
   class's ``forward`` (an edited forward measures again);
 - the sample's shapes and dtypes, the loss function's name and source, the precision,
   the tensor degree and the plan of split layers;
-- this format's number and the measurement's settings (``REPEATS``, ``SIZE_BUDGET_S``).
+- this format's number, the measurement's settings (``REPEATS``, ``SIZE_BUDGET_S``) and
+  a digest of paratrain's own source (``code_fingerprint``): figures or a refusal that
+  other code measured are measured again (a refusal cached from a bug once outlived the
+  fix until ``FORMAT`` moved).
 
 The key is also stored inside the file and compared on reading, so a digest collision
 or a hand-edited file measures again rather than answering for another model.
@@ -24,6 +27,7 @@ or a hand-edited file measures again rather than answering for another model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -100,6 +104,18 @@ def machine_fingerprint(threads: int | None) -> list[Any]:
     return [platform.node(), cores(), torch.__version__, threads]
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """A digest of every Python file of the paratrain package, names and contents, read
+    once a process (about 200 files): an upgrade or an edit measures again."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _digest(key: Any) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -112,7 +128,7 @@ def cached(kind: str, key: Any, refresh: bool, compute: Callable[[], Any], to_js
     """``compute()``'s figures, from the file ``key`` names unless ``refresh`` (then
     measured and written). A ``ValueError`` it raises (a split the model cannot take) is
     kept too, and raised again from the file."""
-    full_key = [FORMAT, measure.REPEATS, measure.SIZE_BUDGET_S, kind, key]
+    full_key = [FORMAT, code_fingerprint(), measure.REPEATS, measure.SIZE_BUDGET_S, kind, key]
     path = _path(kind, full_key)
     if not refresh:
         data = read_json(path)
