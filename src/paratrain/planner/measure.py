@@ -142,6 +142,14 @@ def _untouched(model: nn.Module):
                     buffer.copy_(saved)
 
 
+def _scalar(loss: Any) -> Tensor:
+    """The loss a step backpropagates: a ``(sum, count)`` pair divided by the count, as
+    the engines divide it."""
+    if isinstance(loss, tuple):
+        return loss[0] / max(1.0, float(loss[1]))
+    return loss
+
+
 class _Trace:
     """One forward and backward of the whole model, attributing saved storages to layers."""
 
@@ -156,8 +164,6 @@ class _Trace:
         self.first_layer: dict[int, int] = {}
         self.batch: dict[int, str] = {}
         self.batch_saved = {"inputs": 0, "targets": 0, "loss": 0}
-        self.outputs: Any = None
-        """The model's outputs, detached (what the loss is measured alone on)."""
 
     def _pack(self, tensor: Tensor) -> Tensor:
         address, nbytes = storage_key(tensor)
@@ -182,7 +188,9 @@ class _Trace:
         self._counted.add((address, self.current))
         return tensor
 
-    def run(self, inputs: Any, targets: Any, loss_fn, autocast) -> None:
+    def run(self, inputs: Any, targets: Any, loss_fn, autocast) -> Any:
+        """Forward and backward once, attributing saved storages; the model's outputs,
+        detached (what ``_loss_live_peak`` measures the loss alone on)."""
         self._counted: set[tuple[int, int]] = set()
         for kind, value in (("inputs", inputs), ("targets", targets)):
             for tensor in tensors_in(value):
@@ -197,15 +205,14 @@ class _Trace:
                     outputs = call_model(self.model, inputs)
                     self.current = len(self.layers)
                     loss = loss_fn(outputs, targets)
-            self.outputs = map_output_tensors(outputs, Tensor.detach)
-            if isinstance(loss, tuple):  # (sum, count): the engines divide by the count
-                loss = loss[0] / max(1.0, float(loss[1]))
+            loss = _scalar(loss)
             params = [p for p in self.model.parameters() if p.requires_grad]
             if params and loss.requires_grad:
                 torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
+        return map_output_tensors(outputs, Tensor.detach)
 
     def _entering(self, index: int):
         def hook(module, args, kwargs):
@@ -289,8 +296,7 @@ def _training_seconds(
         inputs, targets = _first_of(sample, size)
         with autocast_of(device):
             loss = loss_fn(call_model(subject, inputs), targets)
-        if isinstance(loss, tuple):  # (sum, count): the engines divide by the count
-            loss = loss[0] / max(1.0, float(loss[1]))
+        loss = _scalar(loss)
         if loss.requires_grad:
             loss.backward()
 
@@ -454,8 +460,7 @@ def _loss_live_peak(outputs: Any, targets: Any, loss_fn, autocast) -> int:
         live.exclude([*tensors_in(outputs), *tensors_in(targets)])
         with torch.enable_grad(), autocast:
             loss = loss_fn(leaves, targets)
-        if isinstance(loss, tuple):  # (sum, count): the engines divide by the count
-            loss = loss[0] / max(1.0, float(loss[1]))
+        loss = _scalar(loss)
         if floating and loss.requires_grad:
             grads = torch.autograd.grad(loss, floating, allow_unused=True)
             del grads
@@ -598,7 +603,7 @@ def _measure_point(
     layers = cut.layers
     trace = _Trace(subject, layers)
     calls_before, bytes_before = sum(mappings.CALLS.values()), sum(mappings.BYTES.values())
-    trace.run(micro[0], micro[1], loss_fn, autocast())
+    outputs = trace.run(micro[0], micro[1], loss_fn, autocast())
     messages = sum(mappings.CALLS.values()) - calls_before
     payload = sum(mappings.BYTES.values()) - bytes_before
     timed: dict[tuple, tuple[float, float]] = {}  # each distinct block timed once
@@ -621,11 +626,9 @@ def _measure_point(
         times.append(timed[key])
         peaks.append(measured_peaks[key])
         kept.append(measured_kept[key])
-    loss_peak = _loss_live_peak(trace.outputs, micro[1], loss_fn, autocast())
-    trace.outputs = None  # the logits, say: not held while the other size is measured
     return {
         "trace": trace,
-        "loss_peak": loss_peak,
+        "loss_peak": _loss_live_peak(outputs, micro[1], loss_fn, autocast()),
         "times": times,
         "messages": messages,
         "bytes": payload,
