@@ -32,6 +32,7 @@ waiting for a core): the table says so.
 
     python benchmarks/bench_pipeline.py            # full table
     python benchmarks/bench_pipeline.py --quick    # one short launch each
+    python benchmarks/bench_pipeline.py --threads 1  # one core a stage, where cores spare
 """
 
 from __future__ import annotations
@@ -232,12 +233,17 @@ def zero_bubble_floor(timeline: Timeline) -> float | None:
     return (forward + backward - weight) / (forward + backward + weight)
 
 
-def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> dict:
+def measure(
+    name: str, stages: int, schedule: str, rounds: int, steps: int, threads: int | None
+) -> dict:
     # The spec travels with the call: spawned workers re-import this module afresh.
     spec = MODELS[name]
     with tempfile.TemporaryDirectory() as run_dir:
         results = paratrain.launch(
-            bench_worker, devices=stages, args=(name, spec, schedule, rounds, steps, run_dir)
+            bench_worker,
+            devices=stages,
+            args=(name, spec, schedule, rounds, steps, run_dir),
+            threads_per_worker=threads,
         )
         timeline = read_timeline(Path(run_dir) / "timeline.jsonl")
         step, bubble = median_step(timeline)
@@ -267,7 +273,7 @@ def measure(name: str, stages: int, schedule: str, rounds: int, steps: int) -> d
     }
 
 
-def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
+def build_row(name: str, stages: int, schedule: str, runs: list[dict], threads: int) -> dict:
     """One configuration's figures, medians over its launches."""
     median, ratios = over_launches([r["median"] for r in runs], ours="paratrain", peer="torch")
     micro, batch = 4 * stages, MODELS[name]["global_batch"]
@@ -282,7 +288,8 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
         "stages": stages,
         "schedule": schedule,
         "peer": PEERS[schedule] + (f"; {note}" if note else ""),
-        "contended": stages > len(os.sched_getaffinity(0)),
+        "contended": stages * threads > len(os.sched_getaffinity(0)),
+        "threads_per_stage": threads,
         "micro_batches": micro,
         "global_batch": batch,
         "balance": runs[0]["balance"],
@@ -318,15 +325,19 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict]) -> dict:
     }
 
 
-def run(models, stage_counts, schedules, rounds, steps, repeats) -> list[dict]:
+def run(models, stage_counts, schedules, rounds, steps, repeats, threads=None) -> list[dict]:
     """Every configuration's row, printed as it comes; then each row's goals and the ZB
-    schedules' idle seconds over 1F1B's added (``add_goals``)."""
+    schedules' idle seconds over 1F1B's added (``add_goals``). ``threads`` per stage
+    process, else ``paratrain.launch``'s share of this machine's cores."""
     rows = []
     for name in models:
         for stages in stage_counts:
+            share = threads or max(1, (os.cpu_count() or 1) // stages)
             for schedule in schedules:
-                runs = [measure(name, stages, schedule, rounds, steps) for _ in range(repeats)]
-                rows.append(build_row(name, stages, schedule, runs))
+                runs = [
+                    measure(name, stages, schedule, rounds, steps, threads) for _ in range(repeats)
+                ]
+                rows.append(build_row(name, stages, schedule, runs, share))
                 print(format_row(rows[-1]), flush=True)
     add_goals(rows)
     return rows
@@ -445,11 +456,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="launches per configuration")
     parser.add_argument("--quick", action="store_true", help="1 launch of 2 rounds x 2 steps")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per stage process (default: the cores shared out, as "
+        "paratrain.launch does); 1 on a machine with cores to spare gives each stage one "
+        "core, uncontended",
+    )
     args = parser.parse_args(argv)
     rounds, steps, repeats = (2, 2, 1) if args.quick else (args.rounds, args.steps, args.repeats)
     print(f"torch {torch.__version__}, {repeats} launch(es) x {rounds} rounds x {steps} steps")
     print(HEADER, flush=True)
-    rows = run(args.models, args.stages, args.schedules, rounds, steps, repeats)
+    rows = run(args.models, args.stages, args.schedules, rounds, steps, repeats, args.threads)
     print("\n".join(summary_lines(rows)), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,12 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
             "global_batch": 32,
         },
     )
-    rows = bench.run(["mlp"], [2], ["1f1b", "zb-h2"], rounds=1, steps=2, repeats=1)
+    rows = bench.run(["mlp"], [2], ["1f1b", "zb-h2"], rounds=1, steps=2, repeats=1, threads=1)
     row, zb = rows
     assert set(row["median_step_s"]) == {"paratrain", "torch"}
+    # one intra-op thread a stage: contended only where the machine has fewer cores
+    assert row["threads_per_stage"] == 1
+    assert row["contended"] == (2 > len(os.sched_getaffinity(0)))
     assert row["micro_batches"] == 8 and sum(row["balance"]) == 6
     assert 0.0 < row["bubble_measured"] < 1.0
     # (p - 1) / (m + p - 1) in float64: one rounding, far inside approx's default 1e-6.
