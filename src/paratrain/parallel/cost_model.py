@@ -147,6 +147,12 @@ class LayerCost:
     gradient (the gradients it keeps: each parameter-owning module's outputs' where W
     takes them unit by unit, ``pipeline/weight_units``), measured; None where not
     measured (the output's gradient is then assumed)."""
+    split_factor: float | None = None
+    """How many times ``time_s`` a zero-bubble stage's split backward of the layer takes
+    where its input carries a gradient (F recording the parameter-owning modules' calls,
+    B to the input and their outputs keeping the graph, W walking it module by module:
+    the engine's ``LayerTape``), measured alone beside its plain forward and backward
+    (``split_backward_time``), at least 1; None where not measured (taken as 1)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +247,14 @@ class ModelCosts:
 
     def forward_time(self, samples: float, layers: range | None = None) -> float:
         return sum(layer.forward_s.at(samples) for layer in self._pick(layers))
+
+    def split_extra_time(self, samples: float, layers: range | None = None) -> float:
+        """What splitting their backward adds to the layers' ``time``."""
+        return sum(
+            (layer.split_factor - 1.0) * layer.time_s.at(samples)
+            for layer in self._pick(layers)
+            if layer.split_factor is not None
+        )
 
     def saved(
         self,

@@ -23,6 +23,8 @@ forward) are made by the model's forward as on a stage rather than replayed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from paratrain.parallel.pipeline.split_points import (
 )
 from paratrain.parallel.pipeline.stage_run import NamedStage, argument_signature, tensors_in
 from paratrain.parallel.split_backward_kept import kept_for_piece
+from paratrain.parallel.split_backward_time import split_piece_pass
 
 __all__ = ["PieceRun", "PieceRuns", "automatic_container", "block_count"]
 
@@ -64,6 +67,16 @@ class PieceRun(nn.Module):
         if self._stage.pieces[0] == 0:
             return self._stage.run(received[0])
         return self._stage.run(self._inputs, received=list(received))
+
+    @contextmanager
+    def split_pass(self, recorded: tuple[tuple, dict], autocast_of) -> Iterator[Callable]:
+        """Its zero-bubble F, B and W as one call to time (``split_piece_pass``), with
+        the owners its stage's W takes units by."""
+        with (
+            ChunkOwners(*self._stage.piece_owners(0)) as owners,
+            split_piece_pass(self, recorded, owners, autocast_of) as triple,
+        ):
+            yield triple
 
     def kept_for_weight_pass(self, recorded: tuple[tuple, dict], autocast_of) -> int:
         """What its zero-bubble B keeps for W (``kept_for_piece``), with the owners its

@@ -33,9 +33,10 @@ from paratrain.runtime.devices import current_device
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
 REPEATS = 12
-FORMAT = 6
-"""6: each strategy's own figures (``Strategy.machine_figures``: a schedule runner's
-seconds per micro-batch), and a collective's lower quartile of 12 repetitions
+FORMAT = 7
+"""7: a schedule runner's seconds per micro-batch under a split backward too; 6: each
+strategy's own figures (``Strategy.machine_figures``: a schedule runner's seconds per
+micro-batch), and a collective's lower quartile of 12 repetitions
 (``after_work``) where 5 kept the fastest of 7; 5: a point-to-point message timed as half
 a round trip to a waiting worker (4: with the receiver busy until the message had
 arrived, which timed almost nothing); 4: collectives timed after each member's work, as

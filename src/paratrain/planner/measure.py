@@ -75,6 +75,7 @@ from paratrain.parallel.layers import is_layer_list, layer_list
 from paratrain.parallel.piece_runs import PieceRun, PieceRuns, automatic_container
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.split_backward_kept import kept_for_weight_pass
+from paratrain.parallel.split_backward_time import split_layer_pass
 from paratrain.parallel.strategy import optimizer_from_factory
 from paratrain.parallel.tensor import mappings
 from paratrain.parallel.tensor.apply import apply_plan
@@ -238,13 +239,7 @@ def fastest_seconds(run: Callable[[], Any], repeats: int) -> float:
     0.4, 21, 0.5 and 0.4 ms, so that a median of three could land on 26 ms and put a
     phantom 0.1 s on a step of a 335 k-parameter model (issue 24). The fastest is the
     work's own cost on this machine."""
-    run()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
-    return min(seconds)
+    return fastest_of_each((run,), repeats)[0]
 
 
 def _pass_seconds(device: torch.device, autocast_of: Callable[[], Any]) -> float:
@@ -356,35 +351,50 @@ def _affordable_size(whole_run: Callable[[int], None], largest: int) -> int:
     return size
 
 
-def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, repeats: int):
-    """(forward seconds, forward and backward seconds) of ``layer`` on its recorded input."""
+def fastest_of_each(runs: tuple[Callable[[], Any], ...], repeats: int) -> list[float]:
+    """``fastest_seconds`` of several pieces of work timed in turn, round by round, so
+    that a difference between them is not a change of the machine's load between two
+    separate timings."""
+    for run in runs:
+        run()
+    seconds: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, times in zip(runs, seconds, strict=True):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return [min(times) for times in seconds]
+
+
+def _layer_passes(
+    layer: nn.Module, recorded: tuple[tuple, dict], autocast_of
+) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """``layer``'s forward (with the graph built, as recompute runs it again in backward)
+    and its forward and backward, on its recorded input made to need a gradient."""
     args, kwargs = recorded
     params = [p for p in layer.parameters() if p.requires_grad]
 
-    def prepared():
-        def grad_input(value: Any) -> Any:
-            if isinstance(value, Tensor) and value.is_floating_point():
-                return value.detach().requires_grad_(True)
-            return value
-
-        return tuple(grad_input(a) for a in args), kwargs
-
-    def forward():  # with the graph built, as recompute runs it again in backward
-        a, k = prepared()
+    def forward() -> Any:
         with torch.enable_grad(), autocast_of():
-            return layer(*a, **k)
+            return layer(*fresh_leaves(args), **kwargs)
 
-    def forward_backward():
-        a, k = prepared()
+    def forward_backward() -> None:
+        inputs = fresh_leaves(args)
         with torch.enable_grad(), autocast_of():
-            out = layer(*a, **k)
+            out = layer(*inputs, **kwargs)
         outs = [t for t in tensors_in(out) if t.requires_grad]
-        sources = params + [t for t in tensors_in(a) if t.requires_grad]
+        sources = params + [t for t in tensors_in(inputs) if t.requires_grad]
         if outs and sources:
             torch.autograd.grad(
                 outs, sources, [torch.ones_like(t) for t in outs], allow_unused=True
             )
 
+    return forward, forward_backward
+
+
+def _layer_times(layer: nn.Module, recorded: tuple[tuple, dict], autocast_of, repeats: int):
+    """(forward seconds, forward and backward seconds) of ``layer`` on its recorded input."""
+    forward, forward_backward = _layer_passes(layer, recorded, autocast_of)
     return fastest_seconds(forward, repeats), fastest_seconds(forward_backward, repeats)
 
 
@@ -551,7 +561,7 @@ def measure_model(
     def envelope(i: int) -> Envelope:
         return _envelope((small, lo["live_peaks"][i]), (large, hi["live_peaks"][i]))
 
-    costs = _layer_costs(cut, line, envelope, layer_times)
+    costs = _layer_costs(cut, line, envelope, layer_times, _split_factors(cut, lo, hi))
     return ModelCosts(
         layers=tuple(costs),
         layer_list=listed,
@@ -609,7 +619,8 @@ def _measure_point(
     timed: dict[tuple, tuple[float, float]] = {}  # each distinct block timed once
     measured_peaks: dict[tuple, int] = {}  # and its live peak measured once
     measured_kept: dict[tuple, int] = {}  # and what a split backward's B keeps
-    times, peaks, kept = [], [], []
+    measured_split: dict[tuple, float] = {}  # and what splitting it costs in time
+    times, peaks, kept, split = [], [], [], []
     stand_ins = cut.stand_ins(trace.inputs, micro[0])
     for i, layer in enumerate(layers):
         layer, recorded = stand_ins.get(i, (layer, trace.inputs[i]))
@@ -617,15 +628,20 @@ def _measure_point(
             times.append((0.0, 0.0))
             peaks.append([(0, 0)])
             kept.append(0)
+            split.append(1.0)
             continue
         key = block_signature(layer, recorded)
         if key not in timed:
             timed[key] = _layer_times(layer, recorded, autocast, repeats)
             measured_peaks[key] = _layer_live_peak(layer, recorded, autocast)
             measured_kept[key] = _kept(layer, recorded, autocast) if cut.splits else 0
+            measured_split[key] = (
+                _split_ratio(layer, recorded, autocast, repeats) if cut.splits else 1.0
+            )
         times.append(timed[key])
         peaks.append(measured_peaks[key])
         kept.append(measured_kept[key])
+        split.append(measured_split[key])
     return {
         "trace": trace,
         "loss_peak": _loss_live_peak(outputs, micro[1], loss_fn, autocast()),
@@ -634,6 +650,7 @@ def _measure_point(
         "bytes": payload,
         "live_peaks": peaks,
         "kept": kept,
+        "split": split,
     }
 
 
@@ -643,6 +660,37 @@ def _kept(layer: nn.Module, recorded: tuple[tuple, dict], autocast: Callable[[],
     if isinstance(layer, PieceRun):
         return layer.kept_for_weight_pass(recorded, autocast)
     return kept_for_weight_pass(layer, recorded, autocast)
+
+
+def _split_ratio(
+    layer: nn.Module, recorded: tuple[tuple, dict], autocast: Callable[[], Any], repeats: int
+) -> float:
+    """How many times its plain forward and backward a zero-bubble stage's split backward
+    of ``layer`` takes (its F, B and W, as the engine's ``LayerTape`` runs them; a piece's
+    as its stage runs it), the two timed in turn (``fastest_of_each``): on the bench's
+    layers 1.09-1.15x for a gpt block or a GPT-2 piece, 1.2-1.8x for a small linear layer
+    or a norm. A ratio, not the seconds between them, so that it carries over to the
+    micro-batch sizes below the two measured, where a line through two differences
+    dipped under zero; and the two in turn, since two separate fastest-of-three timings
+    of a ~10 ms piece differed by more than the split adds from one measurement to the
+    next."""
+    if isinstance(layer, PieceRun):
+        passes = layer.split_pass(recorded, autocast)
+    else:
+        passes = split_layer_pass(layer, recorded, autocast)
+    _, plain = _layer_passes(layer, recorded, autocast)
+    with passes as triple:
+        plain_s, split_s = fastest_of_each((plain, triple), repeats)
+    return split_s / plain_s if plain_s > 0 else 1.0
+
+
+def _split_factors(cut: _Cut, small: dict, large: dict) -> list[float | None]:
+    """Each layer's ``LayerCost.split_factor``: the mean of its ratios at the two sizes,
+    at least 1 (None where the model cannot run split)."""
+    if not cut.splits:
+        return [None] * len(cut.holders)
+    pairs = zip(small["split"], large["split"], strict=True)
+    return [max(1.0, (a + b) / 2) for a, b in pairs]
 
 
 def block_signature(layer: nn.Module, recorded: tuple[tuple, dict]) -> tuple:
@@ -678,11 +726,13 @@ def _layer_costs(
     line: Callable[[Callable[[dict], float]], Line],
     envelope: Callable[[int], Envelope],
     times: list[tuple[Curve, Curve]],
+    split_factors: list[float | None],
 ) -> list[LayerCost]:
     """Each layer's ``LayerCost``: its parameters counted (a piece's those its stage
     holds, ``_Cut.holders``), its measured bytes as lines through the two micro-batch
     sizes (``line``), its live peak as their ``envelope``, its (forward and backward,
-    forward) seconds as ``times`` gives them."""
+    forward) seconds as ``times`` gives them, and what splitting its backward costs
+    (``split_factors``)."""
     costs = []
     for i, (layer, counted) in enumerate(cut.holders):
         trainable = [p for p in layer.parameters() if p.requires_grad]
@@ -701,6 +751,7 @@ def _layer_costs(
                 input_bytes=line(lambda p, i=i: p["trace"].input_bytes[i]),
                 output_bytes=line(lambda p, i=i: p["trace"].output_bytes[i]),
                 kept_bytes=line(lambda p, i=i: p["kept"][i]),
+                split_factor=split_factors[i],
                 time_s=times[i][0],
                 forward_s=times[i][1],
                 transient=envelope(i),

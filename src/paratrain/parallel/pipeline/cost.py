@@ -69,6 +69,10 @@ from paratrain.parallel.replica_cost import EXTRA_SLOT_BYTES
 LOSS_BYTES = 4
 MICRO_BATCH_FIGURE = "micro_batch_s"
 """The machine's figure of the runner's own seconds per micro-batch (``runner_probe``)."""
+SPLIT_MICRO_BATCH_FIGURE = "split_micro_batch_s"
+"""The same under a zero-bubble schedule, whose stages split their backward (a W pass
+a micro-batch, its units recorded and proved); a machine file without it falls back on
+``MICRO_BATCH_FIGURE``."""
 
 
 def balance(unsplit: ModelCosts, stages: int, options: dict[str, Any], samples: float):
@@ -289,14 +293,21 @@ def micro_batch_seconds(
     chunks: int,
 ) -> float:
     """One micro-batch's seconds on a stage: its layers' forward and backward (under
-    ``recompute`` the forward again, in B and in W where ``split``), the copies of the
+    ``recompute`` the forward again, in B and in W where ``split``, and where ``split``
+    what splitting the backward costs beyond one, ``split_extra_time``), the copies of the
     bytes it sends and receives (``boundaries``: ``_boundary_bytes``), the runner's own
-    seconds per micro-batch and chunk (``runner_probe``) and its passes' fixed work."""
+    seconds per micro-batch and chunk (``runner_probe``: under a split backward, the
+    zero-bubble runner's) and its passes' fixed work."""
     outs, grads_in = boundaries
     reruns = (2 if split else 1) if recompute else 0  # B and W each re-run it
     seconds = costs.time(samples, layers) + reruns * costs.forward_time(samples, layers)
+    if split:  # F recording the weight modules' calls, B keeping the graph, W walking it
+        seconds += costs.split_extra_time(samples, layers)
     seconds += machine.send.slope * (sum(outs) + sum(grads_in))  # the bytes' copies
-    seconds += chunks * machine.figure("pipeline", MICRO_BATCH_FIGURE)
+    runner = machine.figure("pipeline", MICRO_BATCH_FIGURE)
+    if split:
+        runner = machine.figure("pipeline", SPLIT_MICRO_BATCH_FIGURE) or runner
+    seconds += chunks * runner
     return seconds + pass_overhead(costs, samples, layers, passes_per_micro_batch(split, chunks))
 
 

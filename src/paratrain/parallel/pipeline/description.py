@@ -19,7 +19,7 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import RunSpec, given
 from paratrain.parallel.pipeline import cost as pipeline_cost
 from paratrain.parallel.pipeline import runner_probe, timeline_report
-from paratrain.parallel.pipeline.cost import MICRO_BATCH_FIGURE
+from paratrain.parallel.pipeline.cost import MICRO_BATCH_FIGURE, SPLIT_MICRO_BATCH_FIGURE
 from paratrain.parallel.pipeline.engine import PipelineEngine
 from paratrain.parallel.pipeline.options import (
     BALANCE,
@@ -181,8 +181,10 @@ class PipelineStrategy(DrawsTimeline, SplitsLayersStrategy, Strategy):
 
     @classmethod
     def machine_figures(cls) -> dict[str, float]:
-        """Its runner's seconds per micro-batch (``runner_probe``)."""
-        return {MICRO_BATCH_FIGURE: runner_probe.micro_batch_seconds()}
+        """Its runner's seconds per micro-batch (``runner_probe``), and under a zero-
+        bubble schedule's split backward."""
+        found = runner_probe.micro_batch_seconds(("gpipe", "zb-h1"))
+        return {MICRO_BATCH_FIGURE: found["gpipe"], SPLIT_MICRO_BATCH_FIGURE: found["zb-h1"]}
 
     @classmethod
     def predict(cls, costs_for, machine, run, options):
