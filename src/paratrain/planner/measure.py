@@ -20,6 +20,9 @@ it; per layer of the layer list (the whole model where it is none) this records:
   alone pays the call overheads that one backward through the whole graph shares);
   layers of one signature (class, sizes, parameter and input shapes: a transformer's
   blocks) are timed once for all (``block_signature``);
+- where a zero-bubble schedule can split its backward, how many times its plain forward
+  and backward the split one takes (the engine's F, B and W, timed in turn with them:
+  ``LayerCost.split_factor``);
 - once, the fixed seconds of a pass called on its own (``ModelCosts.pass_s``,
   ``_pass_seconds``), which a pipeline stage pays per pass beyond its layers' lines.
 
@@ -37,8 +40,9 @@ group would hold it (``tensor/mappings.LOCAL``: the operators count their messag
 send nothing), so its slices' bytes, the activations it saves and its compute are the
 split worker's, and the messages per micro-batch are counted.
 
-Nothing of the model changes: gradients are taken with ``torch.autograd.grad``, buffers
-(BatchNorm statistics) are restored, and the random state is put back.
+Nothing of the model changes: gradients are taken with ``torch.autograd.grad`` (a split
+backward's W, which accumulates, puts back the ``.grad`` it found), buffers (BatchNorm
+statistics) are restored, and the random state is put back.
 """
 
 from __future__ import annotations
