@@ -63,6 +63,7 @@ from paratrain.parallel.pipeline.timeline import (
     read_timeline,
     step_profile,
 )
+from paratrain.runtime.launch import thread_share
 
 # Layers of equal size, so that stages can be balanced at layer granularity and the bubble
 # compares with the theory, which assumes equal stages.
@@ -332,7 +333,7 @@ def run(models, stage_counts, schedules, rounds, steps, repeats, threads=None) -
     rows = []
     for name in models:
         for stages in stage_counts:
-            share = threads or max(1, (os.cpu_count() or 1) // stages)
+            share = threads or thread_share(stages)
             for schedule in schedules:
                 runs = [
                     measure(name, stages, schedule, rounds, steps, threads) for _ in range(repeats)

@@ -145,22 +145,10 @@ def test_each_exposed_hop_adds_one_message_to_a_waiting_worker_to_the_step():
         assert waiting - fast == pytest.approx(hops * 0.01, rel=1e-9), schedule
 
 
-def _flat_times(costs, seconds: float):
-    """``costs`` with every layer's forward and backward ``seconds`` (its forward a third),
-    whatever the samples: the stages' times known, each at least 3/8 of the step's work
-    (the mlp's 8 layers cut 3 + 5 by parameters), so that on one core the work, not the
-    chain of slots, is the step at 4 and more micro-batches."""
-    layers = tuple(
-        dataclasses.replace(layer, time_s=Line(seconds, 0.0), forward_s=Line(seconds / 3, 0.0))
-        for layer in costs.layers
-    )
-    return dataclasses.replace(costs, layers=layers)
-
-
 def test_a_stage_pays_its_passes_fixed_cost_once_per_pass_of_each_micro_batch():
     costs = _mlp_costs()
     assert 0 < costs.pass_s < costs.time(8)  # measured, and less than a whole pass pair
-    costs = _flat_times(costs, 1e-4)  # known layer times: which bound holds is known
+    costs = pw.flat_times(costs, 1e-4)  # known layer times: which bound holds is known
     # one core: the step is every stage's work added up, so the passes' cost is exact
     lines = {2: Line(1e-3, 1e-9)}
     machine = MachineCosts(cores=1, backend="gloo", all_reduce=lines, send=Line.zero())
@@ -191,7 +179,7 @@ def test_a_stage_pays_the_runners_measured_seconds_once_per_micro_batch_and_chun
     """``runner_probe``'s figure (messages, waits and bookkeeping per micro-batch) is
     charged like a pass: on one core the step is every stage's work added up, so each
     stage's m micro-batches of each chunk pay it once."""
-    costs = _flat_times(_mlp_costs(), 1e-4)
+    costs = pw.flat_times(_mlp_costs(), 1e-4)
     lines = {2: Line(1e-3, 1e-9)}
     plain = MachineCosts(cores=1, backend="gloo", all_reduce=lines, send=Line.zero())
     figure = 0.01

@@ -72,16 +72,12 @@ def test_each_layer_of_a_layer_list_carries_its_measured_split_factor():
 
 
 def _one_core_costs(costs, factor: float | None):
-    """``costs``' layers with known times (1e-4 s a pass pair, whatever the samples) and
-    ``factor``: on one core the step is every stage's work added up, so what a stage pays
-    shows in full."""
-    layers = tuple(
-        dataclasses.replace(
-            layer, time_s=Line(1e-4, 0.0), forward_s=Line(1e-4 / 3, 0.0), split_factor=factor
-        )
-        for layer in costs.layers
-    )
-    return dataclasses.replace(costs, layers=layers)
+    """``costs``' layers with known times (1e-4 s a pass pair, whatever the samples,
+    ``planner_workers.flat_times``) and ``factor``: on one core the step is every stage's
+    work added up, so what a stage pays shows in full."""
+    flat = pw.flat_times(costs, 1e-4)
+    layers = tuple(dataclasses.replace(layer, split_factor=factor) for layer in flat.layers)
+    return dataclasses.replace(flat, layers=layers)
 
 
 ONE_CORE = MachineCosts(cores=1, backend="gloo", all_reduce={2: Line(1e-3, 1e-9)}, send=Line.zero())

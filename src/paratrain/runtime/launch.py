@@ -85,6 +85,12 @@ class _WorkerSpec:
     threads: int
 
 
+def thread_share(devices: int) -> int:
+    """The intra-op threads ``launch`` gives each of ``devices`` local workers unless
+    told otherwise: this machine's cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // devices)
+
+
 def default_device_count() -> int:
     """The job's size inside torchrun; else GPUs where there are any; otherwise as many
     CPU workers as cores, at most 4."""
@@ -142,7 +148,7 @@ def launch(
     if not callable(fn):
         raise TypeError("launch needs a callable as its first argument.")
     resolved = resolve_backend(backend, devices)
-    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // devices)
+    threads = threads_per_worker or thread_share(devices)
     store = dist.TCPStore(
         host,
         0,
