@@ -13,7 +13,7 @@ import json
 import pytest
 from torch import nn
 
-from paratrain.parallel.pipeline.cost import idle_slots, in_flight
+from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.parallel.pipeline.description import PipelineStrategy
 from paratrain.parallel.pipeline.schedules import (
     Action,
@@ -49,9 +49,6 @@ def test_the_planner_reads_activations_in_flight_off_each_schedule():
     assert [in_flight("zb-h1", 4, s, 8) for s in range(4)] == [7, 6, 5, 4]  # F to W
     # interleaved: (micro-batch, chunk) pairs of half a stage each
     assert [in_flight("1f1b", 4, s, 8, 2) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
-    assert idle_slots("1f1b", 4, 1, 0.5, micro_batches=8) == 3
-    assert idle_slots("1f1b", 4, 2, 0.5, micro_batches=8) == 1.5
-    assert idle_slots("zb-h1", 4, 1, 1 / 3, micro_batches=8) == pytest.approx(1.0)  # F+B-W = F
 
 
 def test_an_interleaved_stage_counts_each_chunks_activations_along_its_actions():

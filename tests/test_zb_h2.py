@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import paratrain
-from paratrain.parallel.pipeline.cost import idle_slots, in_flight
+from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.parallel.pipeline.schedules import (
     SPLIT_SCHEDULES,
     build_schedule,
@@ -72,9 +72,8 @@ def test_zb_h2_clock_table():
 def test_zb_h2_is_registered_as_a_split_schedule_the_planner_reads():
     assert "zb-h2" in SPLIT_SCHEDULES and build_schedule("zb-h2", 4, 8) == zb_h2(4, 8)
     assert [in_flight("zb-h2", 4, s, 8) for s in range(4)] == [7, 7, 7, 7]
-    # F = B = W (forward a third of F + B + W): p - 1 = 3 forwards' worth of idle, i.e.
-    # one slot of F + B + W per stage, as ZB-H1's ``(p - 1)(F + B - W)``
-    assert idle_slots("zb-h2", 4, 1, 1 / 3, micro_batches=8) == pytest.approx(1.0, abs=1e-12)
+    # F = B = W: p - 1 = 3 forwards' worth of idle over 8 slots of F + B + W and the
+    # idle's one, as ZB-H1's ``(p - 1)(F + B - W)``
     assert schedule_bubble("zb-h2", 4, 8)[0] == pytest.approx(3 / 27, abs=1e-12)
     times = {"forward": 1.0, "backward": 2.0, "weight": 1.0}
     assert (

@@ -3,7 +3,8 @@
 description.py      the strategy before any worker starts (layout, refusals, planning)
 engine.py           the engine (GPipe/1F1B/interleaved 1F1B, recompute, dp x pp hybrid)
 chunks.py           a worker's virtual stages (interleaved 1F1B): pieces, links
-cost.py             the planner's arithmetic (balance, in-flight micro-batches, bubble)
+cost.py             the planner's arithmetic (balance, in-flight micro-batches, the
+                    schedule's lists replayed on the priced passes)
 options.py          its options (stages, micro-batches, schedule, balance, split points)
 split_points.py     a model that is no layer list: stages at named blocks, who owns what
 stage_run.py        NamedStage: a stage's pieces of such a model, run through its own forward

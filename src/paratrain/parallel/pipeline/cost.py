@@ -15,16 +15,19 @@ buffers (``p2p``): the round's sends until the flush (activations and the header
 next stage, input gradients and the loss to the previous one), and the gradient receives
 posted for the micro-batches in flight.
 
-A step is ``m + stages - 1`` slots of the slowest stage's micro-batch (the bubble), each
-with its sends' bytes and its passes' fixed work (``pass_overhead``: a forward and a
-backward per chunk, B and W for zero-bubble, each paying what the whole model's one
-forward and backward pays once), plus the messages a stage waits for idle
-(``exposed_hops``), then the replicas' gradient all-reduce and the optimizer step, per
-accumulation round.
-Interleaved 1F1B idles ``(stages - 1) / v`` slots instead of ``stages - 1``; ZB-H1 idles
-``stages - 1`` times ``F + B - W`` of the slowest stage, where B (the input's gradient)
-and W (the weights') each take half the backward, so the idle is about one forward per
-slot; ZB-H2's is read off its own lists replayed on that clock.
+A round is the schedule's own action lists placed on each stage's passes (``replay``,
+the simulator's rules in seconds): each chunk's F, B and W (``chunk_passes``: its share
+of the stage's micro-batch, which holds its layers' forward and backward, its sends'
+bytes, the runner's own seconds and its passes' fixed work, ``pass_overhead``; a forward
+and a backward per chunk, B and W for zero-bubble, each paying what the whole model's one
+forward and backward pays once), and a hop to a waiting worker (``MachineCosts.send``)
+on every message between two workers. So each schedule's bubble is its own on these
+stages, unequal ones included (the last computes the loss; a zero-bubble first stage,
+fed data, runs its whole backward as W), and a message costs the step only where the
+lists wait for it: GPipe's fill and drain, 1F1B's steady loop at 2 stages, more
+under interleaving (every chunk boundary crosses between workers), no more under ZB-H1
+and ZB-H2. A new schedule needs no line here. Then the replicas' gradient all-reduce
+and the optimizer step, per accumulation round.
 """
 
 from __future__ import annotations
@@ -52,13 +55,14 @@ from paratrain.parallel.pipeline.options import (
     micro_batches_per_replica,
 )
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
+from paratrain.parallel.pipeline.replay import replay
 from paratrain.parallel.pipeline.schedules import (
     SPLIT_SCHEDULES,
     Action,
+    Schedule,
     build_schedule,
     chunk_occupancy,
     max_in_flight,
-    timed_bubble,
 )
 from paratrain.parallel.pipeline.split_cost import split_moments
 from paratrain.parallel.pipeline.split_points import automatic_balance
@@ -126,22 +130,6 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int, chunks
     return peak / chunks if chunks > 1 else peak
 
 
-def idle_slots(
-    schedule: str, stages: int, chunks: int, forward_share: float, *, micro_batches: int
-) -> float:
-    """The bubble in slots of the slowest stage's micro-batch (``forward_share``: its
-    forward's share of forward + backward, for ZB-H1's ``F + B - W``; ZB-H2's is its own
-    action lists replayed on that clock, ``timed_bubble``)."""
-    if schedule == "zb-h2":
-        half = (1.0 - forward_share) / 2
-        times = {"forward": forward_share, "backward": half, "weight": half}
-        bubble = timed_bubble(build_schedule(schedule, stages, micro_batches), times)
-        return micro_batches * bubble / (1.0 - bubble)  # idle / work = bubble / (1 - bubble)
-    if schedule == "zb-h1":
-        return (stages - 1) * forward_share  # F + B - W with B = W = backward / 2
-    return (stages - 1) / chunks
-
-
 def passes_per_micro_batch(split: bool, chunks: int) -> int:
     """A worker's passes per micro-batch: a forward and a backward of each of its chunks
     (virtual stages), the backward split into B and W under a zero-bubble schedule."""
@@ -158,22 +146,6 @@ def pass_overhead(costs: ModelCosts, samples: float, layers: list[int], passes: 
     whole = costs.time(samples)
     share = costs.time(samples, layers) / whole if whole > 0 else 0.0
     return costs.pass_s * (passes - 2 * share)
-
-
-def exposed_hops(schedule: str, stages: int, micro_batches: int) -> float:
-    """Messages per round that a stage waits for idle, each a hop to a waiting worker
-    (``MachineCosts.send``, timed that way): the first activation's ``stages - 1`` hops
-    up (the fill) and the last gradient's ``stages - 1`` down (the drain). GPipe sends
-    every later one while its receiver still computes. 1F1B holds at most ``stages``
-    micro-batches on the first stage, so its steady state is a loop: the last stage's
-    backward of micro-batch i, its gradient down to the first stage, that stage's forward
-    of i + stages, its activation up: ``2 (stages - 1)`` hops per ``stages``
-    micro-batches. ZB-H1, ZB-H2 and interleaved 1F1B are counted as 1F1B (not yet held against
-    runs)."""
-    fill_and_drain = 2 * (stages - 1)
-    if schedule == "gpipe":
-        return float(fill_and_drain)
-    return fill_and_drain * max(1.0, micro_batches / stages)
 
 
 def stage_memory(
@@ -282,6 +254,54 @@ def stage_moments(
     return first, later, step
 
 
+def chunk_passes(
+    costs: ModelCosts,
+    samples: float,
+    pieces: list[tuple[int, int]],
+    per_micro: float,
+    *,
+    split: bool,
+    deferred: bool,
+) -> list[tuple[float, float, float]]:
+    """Each of a stage's chunks' seconds of F, B and W for one micro-batch, for the
+    schedule's lists to be placed on (``placed_round``): the stage's ``per_micro``
+    (``micro_batch_seconds``) shared by its chunks' layer time, each share's forward in
+    the proportion of the stage's layers' forward to ``per_micro`` (what the stage adds
+    beyond its layers' lines, a recompute's rerun included, falls to the backward).
+    Under a split backward B and W take half the rest each (the layers' split factor is
+    priced in ``per_micro``, not which half pays it); a first stage of one chunk
+    (``deferred``) has no input gradient to make, so its B is empty and its W the whole
+    backward, as the engine runs it (``LayerTape``)."""
+    times = [costs.time(samples, list(range(start, end))) for start, end in pieces]
+    total = sum(times)
+    every = [i for start, end in pieces for i in range(start, end)]
+    forward_share = costs.forward_time(samples, every) / per_micro if per_micro > 0 else 0.5
+    out = []
+    for time in times:
+        seconds = per_micro * (time / total if total > 0 else 1 / len(pieces))
+        forward = seconds * forward_share
+        rest = seconds - forward
+        if deferred:
+            out.append((forward, 0.0, rest))
+        elif split:
+            out.append((forward, rest / 2, rest / 2))
+        else:
+            out.append((forward, rest, 0.0))
+    return out
+
+
+def placed_round(
+    actions: Schedule, passes: list[list[tuple[float, float, float]]], hop_s: float
+) -> tuple[float, float]:
+    """A round's seconds, the schedule's lists placed on each stage's chunks' F, B and W
+    (``chunk_passes``) with ``hop_s`` on every message between two workers (``replay``),
+    and the busiest stage's idle share of it (the bubble a plan's notes give)."""
+    placed = replay(actions, lambda s, c, kind: passes[s][c]["FBW".index(kind)], hop_s=hop_s)
+    if placed.makespan <= 0:
+        return 0.0, 0.0
+    return placed.makespan, (placed.makespan - max(placed.busy)) / placed.makespan
+
+
 def micro_batch_seconds(
     costs: ModelCosts,
     machine: MachineCosts,
@@ -336,8 +356,9 @@ def predict(
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
     actions = build_schedule(schedule, stages, micro, chunks)
     worst: dict[str, int] | None = None
-    slowest = busy = forward_share = widest = 0.0
+    busy = widest = 0.0
     largest_stage = 0
+    passes: list[list[tuple[float, float, float]]] = []  # each stage's chunks' F, B, W
     for stage in range(stages):
         own = bounds[stage::stages]  # the (start, end) of each of its chunks
         layers = _worker_layers(bounds, stage, stages)
@@ -369,17 +390,17 @@ def predict(
         per_micro = micro_batch_seconds(
             costs, machine, samples, layers, (outs, grads_in), recompute, split_here, chunks
         )
-        if per_micro > slowest:
-            slowest, forward_share = per_micro, costs.forward_time(samples, layers) / per_micro
+        deferred = split and not split_here  # the first stage: its whole backward is W
+        passes.append(chunk_passes(costs, samples, own, per_micro, split=split, deferred=deferred))
         busy += per_micro
         largest_stage = max(largest_stage, costs.elements(layers))
     workers = replicas * stages * costs.tensor
     optimizer = costs.optimizer.step_s_per_element * largest_stage
-    # every stage's micro-batches on every rank, against m + stages - 1 slowest-stage slots
+    # every stage's micro-batches on every rank, against the schedule's own lists placed
+    # on these passes, each message between two workers a hop to a waiting one
     work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
-    idle = idle_slots(schedule, stages, chunks, forward_share, micro_batches=micro)
-    waits = exposed_hops(schedule, stages, micro) * machine.send.at(widest)
-    compute = machine.compute_seconds(work, rounds * ((micro + idle) * slowest + waits) + optimizer)
+    span, idle = placed_round(actions, passes, machine.send.at(widest))
+    compute = machine.compute_seconds(work, rounds * span + optimizer)
     return Prediction.of(
         worst or {},
         compute_s=compute,
@@ -388,7 +409,7 @@ def predict(
         ),
         workers=workers,
         machine=machine,
-        notes=(f"bubble {idle / (micro + idle):.0%}",),
+        notes=(f"bubble {idle:.0%}",),
     )
 
 
