@@ -72,8 +72,8 @@ def test_zb_h2_clock_table():
 def test_zb_h2_is_registered_as_a_split_schedule_the_planner_reads():
     assert "zb-h2" in SPLIT_SCHEDULES and build_schedule("zb-h2", 4, 8) == zb_h2(4, 8)
     assert [in_flight("zb-h2", 4, s, 8) for s in range(4)] == [7, 7, 7, 7]
-    # F = B = W: p - 1 = 3 forwards' worth of idle over 8 slots of F + B + W and the
-    # idle's one, as ZB-H1's ``(p - 1)(F + B - W)``
+    # F = B = W, one unit each: a stage idles p - 1 = 3 units, ZB-H1's (p - 1)(F + B - W),
+    # beside its 8 micro-batches' 24: 3 / 27
     assert schedule_bubble("zb-h2", 4, 8)[0] == pytest.approx(3 / 27, abs=1e-12)
     times = {"forward": 1.0, "backward": 2.0, "weight": 1.0}
     assert (
