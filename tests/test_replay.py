@@ -33,6 +33,7 @@ from paratrain.parallel.pipeline.schedules import (
     build_schedule,
     place_actions,
     simulated_bubble,
+    stage_ticks,
 )
 from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
 
@@ -50,7 +51,8 @@ def ticks(stage: int, chunk: int, kind: str) -> float:
 
 
 def split_ticks(stage: int, chunk: int, kind: str) -> float:
-    return 1.0
+    """The same clock split: B 1 and W 1, but on the first stage B 0 and W 2."""
+    return stage_ticks(stage, 1.0, 2.0, 1.0, split=True)[kind]
 
 
 @pytest.mark.parametrize(("name", "stages", "micro", "chunks"), CASES)

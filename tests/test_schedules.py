@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.parallel.pipeline import schedules
 from paratrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -15,9 +16,11 @@ from paratrain.parallel.pipeline.schedules import (
     interleaved_1f1b,
     max_in_flight,
     one_f_one_b,
+    place_actions,
     simulate,
     simulated_bubble,
     splits_backward,
+    stage_ticks,
     zb_h1,
 )
 
@@ -288,14 +291,37 @@ def test_zb_h1_runs_each_kind_in_order_and_bounds_what_it_holds(stages, micro):
             peak_between, peak_pending = max(peak_between, between), max(peak_pending, pending)
         assert peak_between <= min(stages - s, micro)  # 1F1B's bound between F and B
         assert peak_pending <= stages
-    assert max_in_flight(zb_h1(4, 8)) == [7, 6, 5, 4]  # F to W: both counted
+    # F to W: both counted; 2p - 1 - s but on the first stage, whose W follows its empty B
+    # sooner (``stage_ticks``)
+    assert max_in_flight(zb_h1(4, 8)) == [6, 6, 5, 4]
 
 
 def test_zb_h1_clock_table_shows_w_filling_the_bubble():
+    """The first stage, fed data, runs each B in no tick and each W as its whole backward
+    (2 ticks), so no B shows on its row; 13 ticks = 3m + p - 1, the paper's bubble."""
     assert clock_table(zb_h1(2, 4), backward_ticks=2) == [
-        "F0 F1 .  B0 F2 B1 W0 F3 B2 W1 W2 B3 W3",
+        "F0 F1 .  F2 W0 W0 F3 W1 W1 W2 W2 W3 W3",
         ".  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3",
     ]
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(p, m) for p, m in ZB_SIZES if m >= 2 * p])
+def test_zb_h1_keeps_its_third_with_the_first_stage_running_its_backward_as_w(stages, micro):
+    """Played with B = W = 1 on the first stage too, the rule deferred that stage's W
+    passes (each, as the engine runs it, a whole backward) behind the last gradient, and
+    the lists idled 2(p - 1) ticks, two thirds of 1F1B's 3(p - 1), on the engine's clock.
+    Replayed here by ``place_actions`` on that clock (stage 0: F 1, B 0, W 2; the others 1
+    each; integer ticks, so exact): p - 1, the third; the lists the rule plays with B =
+    W = 1 on every stage, 2(p - 1)."""
+    clock = [stage_ticks(s, 1, 2, 1, split=True) for s in range(stages)]
+
+    def idle(schedule) -> int:
+        placed = place_actions(schedule, lambda s, a: clock[s][a.kind], hop=0)
+        return max(end for slots in placed for _, _, end in slots) - 3 * micro
+
+    unit = [{"F": 1, "B": 1, "W": 1}] * stages
+    assert idle(zb_h1(stages, micro)) == stages - 1
+    assert idle(schedules._played(stages, micro, schedules._zb_h1_choice, unit)) == 2 * (stages - 1)
 
 
 def test_a_split_backward_needs_room_for_both_parts_and_every_w():

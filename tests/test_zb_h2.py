@@ -61,10 +61,11 @@ def test_zb_h2_bubble_against_zb_h1(stages, micro):
 
 
 def test_zb_h2_clock_table():
-    """Stage 0 warms up with 2(p - s) - 1 = 3 forwards; at tick 4 it holds 2p - 1 = 3
-    micro-batches, so it runs W0 before F3; 13 ticks = 3m + p - 1."""
+    """Stage 0 warms up with 2(p - s) - 1 = 3 forwards; then it holds 2p - 1 = 3
+    micro-batches, so it runs W0 before F3 (its B passes, fed data, take no tick and its W
+    its whole backward: ``stage_ticks``); 13 ticks = 3m + p - 1."""
     assert clock_table(zb_h2(2, 4), backward_ticks=2) == [
-        "F0 F1 F2 B0 W0 B1 F3 W1 B2 W2 .  B3 W3",
+        "F0 F1 F2 W0 W0 F3 W1 W1 W2 W2 .  W3 W3",
         ".  F0 B0 F1 B1 F2 W0 B2 F3 W1 B3 W2 W3",
     ]
 

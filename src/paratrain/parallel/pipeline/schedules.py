@@ -4,7 +4,10 @@ A schedule says, for each stage, the order in which it runs forward (``F``) and 
 (``B``) passes of micro-batches. A zero-bubble schedule splits the backward in two: ``B``
 then computes only the gradient of the stage's input (what the previous stage waits for)
 and ``W`` the gradients of the weights (which nobody waits for), so W passes can fill
-the ticks a stage would otherwise idle. The engine follows the lists; this module proves them
+the ticks a stage would otherwise idle. The first stage of a split schedule is fed data:
+it has no input gradient to make, so the engine runs its B as nothing and its W as its
+whole backward (``split_backward.LayerTape``), and the clock here runs it so too
+(``stage_ticks``). The engine follows the lists; this module proves them
 sound without processes: ``simulate`` runs every stage in list order, each action as soon
 as its inputs exist, and raises ``ScheduleDeadlock`` when some stage would wait forever.
 
@@ -58,6 +61,7 @@ __all__ = [
     "simulated_bubble",
     "split_occupancy",
     "splits_backward",
+    "stage_ticks",
     "timed_bubble",
     "zb_h1",
     "zb_h2",
@@ -182,15 +186,17 @@ def zb_h1(stages: int, micro_batches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with its backward
     split into B and W, the W passes deferred to fill 1F1B's bubble.
 
-    Built by playing the pipeline on a clock where F, B and W each take one tick
-    (``_played``). A free stage runs, in this order of preference: a W if ``stages`` are
-    pending (B done, W not); its next B if the output gradient has arrived; its next F if
-    fewer than ``stages - s`` micro-batches are between F and B (1F1B's bound); any
-    pending W; else it idles. The lists are then plain data (``simulate`` replays them).
-    With F = B = W the bubble is ``(p - 1) / (3m + p - 1)``, the paper's
+    Built by playing the pipeline on a clock where F, B and W each take one tick, but on
+    the first stage, which the engine runs with an empty B and its whole backward as W
+    (``stage_ticks``, ``_played``). A free stage runs, in this order of preference: a W if
+    ``stages`` are pending (B done, W not); its next B if the output gradient has arrived;
+    its next F if fewer than ``stages - s`` micro-batches are between F and B (1F1B's
+    bound); any pending W; else it idles. The lists are then plain data (``simulate``
+    replays them). With F = B = W the bubble is ``(p - 1) / (3m + p - 1)``, the paper's
     ``(p - 1)(T_F + T_B - T_W)`` per stage, against 1F1B's ``(p - 1) / (m + p - 1)`` (for
     m >= p). Memory: 1F1B's ``p - s`` micro-batches between F and B, plus at most ``p``
-    whose W is pending; ``max_in_flight`` counts F to W.
+    whose W is pending, ``2p - 1 - s`` from F to W (``max_in_flight``), fewer on the first
+    stage from p = 4 (its W follows its empty B sooner: 6 of 7 at p = 4, 12 of 15 at 8).
     """
     return _played(stages, micro_batches, _zb_h1_choice)
 
@@ -222,28 +228,37 @@ Choice = Callable[
 run so far, whether an action has ended by now) -> the kind the stage runs now, or None."""
 
 
-def _played(stages: int, micro_batches: int, choice: Choice) -> Schedule:
-    """The action lists of a rule played on a clock where F, B and W each take one tick;
-    every kind runs in micro-batch order on each stage."""
+def _played(
+    stages: int, micro_batches: int, choice: Choice, clock: list[dict] | None = None
+) -> Schedule:
+    """The action lists of a rule played on a clock where F, B and W each take one tick,
+    but on the first stage, whose B is empty and whose W is its whole backward
+    (``stage_ticks``); every kind runs in micro-batch order on each stage.
+
+    Why the first stage's own clock: played with B = W = 1 there, the rule defers that
+    stage's W passes as it defers every stage's, to free its B sooner for a previous stage
+    it does not have; its W passes, each a whole backward, then pile up after the last
+    gradient arrives, and with F = B = W elsewhere ZB-H1 idled two thirds of 1F1B's
+    bubble instead of the paper's third (at any p; m >= 2p). ``clock``: ticks per kind on
+    each stage, to play another (a test plays B = W = 1 everywhere)."""
     _check_counts(stages, micro_batches)
     order: list[list[Action]] = [[] for _ in range(stages)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> end tick
     counts = [{"F": 0, "B": 0, "W": 0} for _ in range(stages)]
+    ticks = clock or [stage_ticks(s, 1, 2, 1, split=True) for s in range(stages)]
+    free = [0] * stages
     tick, total = 0, 3 * micro_batches * stages
     while len(done) < total:
 
         def ready(key: tuple[str, int, int], now: int = tick) -> bool:
             return done.get(key, now + 1) <= now
 
-        started = [
-            (kind, s, counts[s][kind])
-            for s in range(stages)
-            if (kind := choice(s, stages, micro_batches, counts[s], ready))
-        ]
-        for kind, s, micro in started:
-            order[s].append(Action(kind, micro))
-            counts[s][kind] += 1
-            done[kind, s, micro] = tick + 1
+        for s in range(stages):  # a pass of no ticks leaves its stage free this tick
+            while free[s] <= tick and (kind := choice(s, stages, micro_batches, counts[s], ready)):
+                micro = counts[s][kind]
+                order[s].append(Action(kind, micro))
+                counts[s][kind] += 1
+                free[s] = done[kind, s, micro] = tick + ticks[s][kind]
         tick += 1
     return order
 
@@ -360,19 +375,32 @@ def _check_schedule(schedule: Schedule) -> None:
                 )
 
 
+def stage_ticks(
+    stage: int, forward: float, backward: float, weight: float, *, split: bool
+) -> dict[str, float]:
+    """Ticks per kind on ``stage``: a split backward's B takes ``backward - weight`` and
+    its W ``weight``, but on the first stage (fed data, no input gradient to make) B takes
+    none and W the whole ``backward``, as the engine runs it."""
+    if not split:
+        return {"F": forward, "B": backward}
+    if stage == 0:
+        return {"F": forward, "B": 0, "W": backward}
+    return {"F": forward, "B": backward - weight, "W": weight}
+
+
 def _action_ticks(schedule: Schedule, forward: int, backward: int, weight: int) -> dict:
-    """Ticks per kind: a split backward's B takes ``backward - weight``, its W ``weight``."""
+    """Ticks per kind (checked), to be shared out per stage by ``stage_ticks``."""
     for name, value in (("forward_ticks", forward), ("backward_ticks", backward)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, not {value!r}.")
     if not splits_backward(schedule):
-        return {"F": forward, "B": backward}
+        return {"forward": forward, "backward": backward, "weight": 0}
     if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight < backward:
         raise ScheduleError(
             f"a split backward needs 1 <= weight_ticks < backward_ticks ({backward}), not "
             f"{weight!r}; give backward_ticks of at least 2."
         )
-    return {"F": forward, "B": backward - weight, "W": weight}
+    return {"forward": forward, "backward": backward, "weight": weight}
 
 
 def simulate(
@@ -381,12 +409,15 @@ def simulate(
     """Place every action on an integer clock, each as early as its stage and inputs allow.
 
     ``backward_ticks`` is the whole backward; a schedule that splits it runs B for
-    ``backward_ticks - weight_ticks`` and W for ``weight_ticks``, so that schedules with
-    and without the split compare on one clock. Raises ``ScheduleDeadlock`` naming the
+    ``backward_ticks - weight_ticks`` and W for ``weight_ticks`` (on its first stage B
+    for none and W for all of it: ``stage_ticks``), so that schedules with and without
+    the split compare on one clock. Raises ``ScheduleDeadlock`` naming the
     stuck stages when no stage can make progress.
     """
-    ticks = _action_ticks(schedule, forward_ticks, backward_ticks, weight_ticks)
-    placed = place_actions(schedule, lambda stage, action: ticks[action.kind], hop=0)
+    given = _action_ticks(schedule, forward_ticks, backward_ticks, weight_ticks)
+    split = splits_backward(schedule)
+    ticks = [stage_ticks(s, **given, split=split) for s in range(len(schedule))]
+    placed = place_actions(schedule, lambda stage, action: ticks[stage][action.kind], hop=0)
     return [[Timed(action, start, end) for action, start, end in slots] for slots in placed]
 
 
