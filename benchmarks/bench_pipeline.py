@@ -1,11 +1,13 @@
 """paratrain's pipeline engine against torch.distributed.pipelining, side by side in one run.
 
-For each model (mlp, gpt), stage count (2, 4) and schedule, one launch builds the same
-split (paratrain's parameter-balanced partition) both ways in every worker: paratrain's
-engine, and torch's ``PipelineStage``s driven by the matching schedule with the same
-micro-batches (m = 4p): GPipe - ``ScheduleGPipe``, 1F1B - ``Schedule1F1B``, interleaved
-1F1B over 2 chunks per stage - ``ScheduleInterleaved1F1B`` on the same p x 2 pieces, ZB-H1
-- ``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedule, ZB1P, here with one
+For each model (mlp, gpt; and mlp-first-loaded, a split given for 2 stages with the
+first stage's work near the last's, see ``MODELS``), stage count (2, 4) and schedule, one
+launch builds the same split (paratrain's parameter-balanced partition, or the given one)
+both ways in every worker: paratrain's engine, and torch's ``PipelineStage``s driven by
+the matching schedule with the same micro-batches (m = 4p): GPipe - ``ScheduleGPipe``,
+1F1B - ``Schedule1F1B``, interleaved 1F1B over 2 chunks per stage -
+``ScheduleInterleaved1F1B`` on the same p x 2 pieces, ZB-H1 -
+``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedule, ZB1P, here with one
 stage per rank). torch has no ZB-H2: paratrain's ZB-H2 runs against the same
 ``ScheduleInterleavedZeroBubble`` as ZB-H1, and the peer column says so. The two alternate
 round by round on the same global batches, so machine noise hits both alike.
@@ -76,7 +78,21 @@ MODELS = {
         "options": {"vocab_size": 65, "block_size": 64, "n_layer": 8, "n_head": 4, "n_embd": 128},
         "global_batch": 64,
     },
+    "mlp-first-loaded": {
+        "kind": "mlp",
+        "options": {"in_features": 1024, "hidden": 1024, "depth": 5, "classes": 10},
+        "global_batch": 512,
+        "balance": {2: [7, 5]},
+    },
 }
+"""``mlp-first-loaded`` runs at 2 stages only: the first stage holds three of the five
+hidden layers, the last two and the head. Under a split backward the first stage (fed
+data) runs its backward whole as W, with no B, and so has less work than an equal share
+of layers; with one layer more it carries at least the last stage's work (1.2-1.3x here)
+and has no slack to hide late W passes in, as on the stages the paper's bubbles assume,
+where the parameter-balanced splits of ``mlp`` and ``gpt`` leave their zero-bubble rows'
+first stage with slack.
+Interleaved 1F1B, which cuts p x 2 pieces, is not run on it."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 """Bench names: ``interleaved`` is paratrain's 1f1b with ``virtual_stages=2``."""
 PEERS = {
@@ -98,7 +114,7 @@ def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, 
     batch = spec["global_batch"]
     out = []
     for _ in range(count):
-        if name == "gpt":
+        if spec.get("kind", name) == "gpt":
             vocab, block = spec["options"]["vocab_size"], spec["options"]["block_size"]
             x = torch.randint(0, vocab, (batch, block), generator=generator)
             y = torch.randint(0, vocab, (batch, block), generator=generator)
@@ -111,7 +127,7 @@ def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, 
 
 def fresh_model(name: str, spec: dict) -> nn.Sequential:
     torch.manual_seed(0)
-    return build_model(name, **spec["options"])
+    return build_model(spec.get("kind", name), **spec["options"])
 
 
 def sgd(params):
@@ -123,12 +139,13 @@ class ParatrainRunner:
         self.engine = paratrain.setup(
             fresh_model(name, spec),
             optimizer=sgd,
-            loss_fn=loss_for(name),
+            loss_fn=loss_for(spec.get("kind", name)),
             strategy="pipeline",
             stages=stages,
             micro_batches=micro,
             schedule=PEER_SCHEDULE.get(schedule, schedule),
             virtual_stages=CHUNKS.get(schedule, 1),
+            **({"balance": spec["balance"][stages]} if "balance" in spec else {}),
         )
 
     def step(self, x, y) -> None:
@@ -166,7 +183,7 @@ class TorchRunner:
         self.schedule = kind(
             pipe_stages[0] if single else pipe_stages,
             n_microbatches=micro,
-            loss_fn=loss_for(name),
+            loss_fn=loss_for(spec.get("kind", name)),
         )
 
     def step(self, x, y) -> None:
@@ -333,8 +350,12 @@ def run(models, stage_counts, schedules, rounds, steps, repeats, threads=None) -
     rows = []
     for name in models:
         for stages in stage_counts:
+            if stages not in MODELS[name].get("balance", {stages: None}):
+                continue  # a split given for other stage counts
             share = threads or thread_share(stages)
             for schedule in schedules:
+                if "balance" in MODELS[name] and schedule in CHUNKS:
+                    continue  # a given split is one piece a stage, not p x v
                 runs = [
                     measure(name, stages, schedule, rounds, steps, threads) for _ in range(repeats)
                 ]

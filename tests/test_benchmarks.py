@@ -169,6 +169,27 @@ def test_torch_passes_measure_a_known_bubble(monkeypatch):
     assert stamped.end >= stamped.start
 
 
+@pytest.mark.slow
+def test_bench_pipeline_runs_a_given_split_at_its_stage_count_only(monkeypatch):
+    """A model with a split of its own (``mlp-first-loaded``'s kind) runs that split, on
+    both sides, at the stage counts it names and is skipped at the others."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_pipeline")
+    spec = {
+        "kind": "mlp",
+        "options": {"in_features": 16, "hidden": 16, "depth": 3, "classes": 4},
+        "global_batch": 32,
+        "balance": {2: [5, 3]},  # Flatten and two hidden layers, then one and the head
+    }
+    monkeypatch.setitem(bench.MODELS, "loaded", spec)
+    schedules = ["1f1b", "interleaved"]  # interleaved cuts p x 2 pieces: not the given split
+    rows = bench.run(["loaded"], [2, 4], schedules, rounds=1, steps=2, repeats=1, threads=1)
+    assert [(row["model"], row["stages"], row["balance"]) for row in rows] == [
+        ("loaded", 2, [5, 3])
+    ]
+    assert "mlp-first-loaded" in bench.MODELS and bench.MODELS["mlp-first-loaded"]["balance"]
+
+
 def test_the_zero_bubble_floor_is_a_third_where_the_passes_are_equal(monkeypatch):
     """The paper's ZB-H1 over 1F1B, (F+B-W)/(F+B+W): 1/3 at F = B = W; a W cheaper than
     half of F + B raises it: F = B = 2, W = 1 gives (2+2-1)/(2+2+1) = 3/5."""
