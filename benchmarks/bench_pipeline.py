@@ -279,6 +279,7 @@ def measure(
         "replayed": replayed.bubble,
         "stepwise": stepwise,
         "replayed_idle_s": replayed.bubble * replayed.replay.makespan,
+        "replayed_busiest_idle_s": replayed.replay.makespan - max(replayed.replay.busy),
         "busiest_idle_s": busiest_stage_idle(timeline),
         "torch_bubble": peer.bubble,
         "torch_idle_s": peer.idle_s,
@@ -330,6 +331,7 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict], threads: 
             "measured": over_runs("idle_s"),
             "replayed": over_runs("replayed_idle_s"),
             "busiest_stage": over_runs("busiest_idle_s"),
+            "replayed_busiest_stage": over_runs("replayed_busiest_idle_s"),
             "torch": over_runs("torch_idle_s"),
             "torch_busiest_stage": over_runs("torch_busiest_idle_s"),
         },
@@ -405,7 +407,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
         floor = row["zero_bubble_floor"]
         lines.append(
             f"  {where}: measured {ratio['measured']:.2f} ({met}), replayed "
-            f"{ratio['replayed']:.2f}; the busiest stage's idle {ratio['busiest_stage']:.2f}"
+            f"{ratio['replayed']:.2f}; the busiest stage's idle {ratio['busiest_stage']:.2f} "
+            f"(replayed {ratio['replayed_busiest_stage']:.2f})"
             + (f"; (F+B-W)/(F+B+W) on this run's passes {floor:.2f}" if floor is not None else "")
             + f"; torch's {PEERS[row['schedule']]} over its Schedule1F1B: "
             f"{ratio['torch']:.2f}, the busiest stage's {ratio['torch_busiest_stage']:.2f}"
@@ -415,7 +418,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
     else:
         lines.append(
             "  (the busiest stage's idle: what the schedule adds to the step beyond the work "
-            "that bounds it; (F+B-W)/(F+B+W): ZB-H1's over 1F1B's on equal stages with these "
+            "that bounds it, replayed: the same of the schedule placed on this run's stage "
+            "times; (F+B-W)/(F+B+W): ZB-H1's over 1F1B's on equal stages with these "
             "pass times, 1/3 only where W = (F+B)/2)"
         )
     lines += ["", "Goals per row:"]

@@ -106,6 +106,13 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
     busiest = zb["idle_s_per_step"]["busiest_stage"] / row["idle_s_per_step"]["busiest_stage"]
     assert ratio["busiest_stage"] == busiest
     assert f"the busiest stage's idle {busiest:.2f}" in text
+    # and the same of the schedule replayed on the run's stage times
+    replayed = zb["idle_s_per_step"]["replayed_busiest_stage"]
+    assert (
+        ratio["replayed_busiest_stage"]
+        == replayed / row["idle_s_per_step"]["replayed_busiest_stage"]
+    )
+    assert f"(replayed {ratio['replayed_busiest_stage']:.2f})" in text
     for each in rows:  # torch's bubble, from its own passes' stamps
         assert 0.0 < each["torch_bubble_measured"] < 1.0
         assert each["idle_s_per_step"]["torch_busiest_stage"] >= 0.0
