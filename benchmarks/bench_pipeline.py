@@ -109,12 +109,18 @@ PEER_SCHEDULE = {"interleaved": "1f1b"}
 """paratrain's schedule name for a bench name."""
 
 
+def kind_of(name: str, spec: dict) -> str:
+    """The model kind ``build_model`` and ``loss_for`` know: the bench name itself, or a
+    spec's ``kind`` where one kind runs under another name (``mlp-first-loaded``)."""
+    return spec.get("kind", name)
+
+
 def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     batch = spec["global_batch"]
     out = []
     for _ in range(count):
-        if spec.get("kind", name) == "gpt":
+        if kind_of(name, spec) == "gpt":
             vocab, block = spec["options"]["vocab_size"], spec["options"]["block_size"]
             x = torch.randint(0, vocab, (batch, block), generator=generator)
             y = torch.randint(0, vocab, (batch, block), generator=generator)
@@ -127,7 +133,7 @@ def make_batches(name: str, spec: dict, count: int) -> list[tuple[torch.Tensor, 
 
 def fresh_model(name: str, spec: dict) -> nn.Sequential:
     torch.manual_seed(0)
-    return build_model(spec.get("kind", name), **spec["options"])
+    return build_model(kind_of(name, spec), **spec["options"])
 
 
 def sgd(params):
@@ -139,7 +145,7 @@ class ParatrainRunner:
         self.engine = paratrain.setup(
             fresh_model(name, spec),
             optimizer=sgd,
-            loss_fn=loss_for(spec.get("kind", name)),
+            loss_fn=loss_for(kind_of(name, spec)),
             strategy="pipeline",
             stages=stages,
             micro_batches=micro,
@@ -183,7 +189,7 @@ class TorchRunner:
         self.schedule = kind(
             pipe_stages[0] if single else pipe_stages,
             n_microbatches=micro,
-            loss_fn=loss_for(spec.get("kind", name)),
+            loss_fn=loss_for(kind_of(name, spec)),
         )
 
     def step(self, x, y) -> None:
@@ -352,11 +358,12 @@ def run(models, stage_counts, schedules, rounds, steps, repeats, threads=None) -
     rows = []
     for name in models:
         for stages in stage_counts:
-            if stages not in MODELS[name].get("balance", {stages: None}):
+            given = MODELS[name].get("balance")
+            if given is not None and stages not in given:
                 continue  # a split given for other stage counts
             share = threads or thread_share(stages)
             for schedule in schedules:
-                if "balance" in MODELS[name] and schedule in CHUNKS:
+                if given is not None and schedule in CHUNKS:
                     continue  # a given split is one piece a stage, not p x v
                 runs = [
                     measure(name, stages, schedule, rounds, steps, threads) for _ in range(repeats)
