@@ -698,19 +698,23 @@ def test_a_slow_model_is_measured_at_sizes_one_run_of_which_fits_the_budget(monk
 
 STEP_TIME_FACTOR = 3.0
 """How far a predicted step time may be from the measured one, either way. The prediction
-adds per-layer compute timed alone (scaled to the whole model's), collectives and
-messages measured once per machine (the fastest of their runs), and the optimizer's step
-from a probe, each the fastest of its runs: the machine's own cost. The measurement is
-therefore the fastest of 8 steps (``fastest_step_seconds``): their median, on this
-2-core machine at load averages 16-22 (other sessions' tests), swung 4x between launches
-of the same layout, and the ratio came out 0.24-1.70. Against the fastest step it came
-out 0.85-1.21 over 3 plans of 2 candidates each at load 8-10 (tp and a 2-stage
-pipeline), and the default mlp's predictions 1.2-1.3x (dp, tp) and 1.9-2.3x (2-stage
-pipelines, their messages timed at a busier moment) at load 25-31: under 2.5x, so 3x.
-The errors it is here to catch are ten times wider: the optimizer probe timed with the
-planning process's threads (a phantom 330 ms on steps of ~1-10 ms: ratio over 30), and a
-pipeline's messages timed with the receiver busy (a 2-stage pipeline predicted at 4.7 ms,
-its median step 237 ms at load 19: ratio 0.02)."""
+adds per-layer compute timed alone (scaled to the whole model's), the optimizer's step
+from a probe, each the fastest of its runs, and collectives and messages measured once
+per machine at the lower quartile of 12 repetitions after work (``machine.after_work``:
+what a step typically pays them). The measurement is therefore a step's typical cost,
+the median of 12 steps (``median_step_seconds``). Against the fastest step, which this
+test used while collectives were priced at their fastest, the prediction came out
+1.2-2.3x on a quiet 2-core machine (tp 1.7-2.3, a 2-stage pipeline 1.2-1.7; five plans
+of two launches each) and 3.2x once in CI (tp predicted 16.0 ms, fastest step 5.0 ms:
+its collectives priced from one slow launch, ``machine.middle_launch``). Against the
+median of 8 steps: 1.2-1.7 (tp) and 1.0-1.6 (pipeline) in those launches; with the
+collectives from the middle of three launches, 0.88-1.70 and 0.93-1.56 (three plans).
+Under 2x, so 3x, both ways. The errors it is here to catch are ten times wider: the
+optimizer probe timed with the planning process's threads (a phantom 330 ms on steps of
+~1-10 ms: ratio over 30), and a pipeline's messages timed with the receiver busy (a
+2-stage pipeline predicted at 4.7 ms, its median step 237 ms at load 19: ratio 0.02).
+The median moves with other processes on the machine (4x between launches at load
+17-22 on 2 cores shared with other sessions' tests); CI runs the suite alone."""
 
 
 def _runner_up(plan) -> Candidate:
@@ -748,7 +752,7 @@ def test_predicted_step_times_of_the_chosen_and_the_runner_up_are_near_the_measu
         (runner_up.strategy, runner_up.setup_options, runner_up.prediction.step_s),
     ):
         measured = paratrain.launch(
-            pw.fastest_step_seconds, devices=devices, args=(strategy, options, global_batch, 8)
+            pw.median_step_seconds, devices=devices, args=(strategy, options, global_batch, 12)
         )[0]
         ratio = predicted / measured
         assert 1 / STEP_TIME_FACTOR <= ratio <= STEP_TIME_FACTOR, (
@@ -835,8 +839,10 @@ def test_another_model_loss_or_optimizer_is_measured_not_answered_from_the_file(
     assert ask(pw.model("mlp"), optimizer=pw.adamw) == {"model": 3, "optimizer": 2}
 
 
-def test_the_machines_collectives_are_measured_once_and_again_on_refresh(monkeypatch):
+def test_the_machines_collectives_are_measured_once_and_again_on_refresh(tmp_path, monkeypatch):
     import importlib
+
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))  # not the user's cache
 
     from paratrain.planner import machine
 
@@ -850,9 +856,42 @@ def test_the_machines_collectives_are_measured_once_and_again_on_refresh(monkeyp
     monkeypatch.setattr(launch, "launch", fake_launch)
     assert machine.machine_costs(4) == pw.machine()
     assert machine.machine_costs(4) == pw.machine()
-    assert launched == [4]
+    assert launched == [4] * machine.launches(4)
     machine.machine_costs(4, refresh=True)
-    assert launched == [4, 4]
+    assert launched == [4] * (2 * machine.launches(4))
+
+
+def test_the_middle_launch_by_its_small_all_reduce_is_kept_whole(tmp_path, monkeypatch):
+    """A launch whose processes the scheduler placed badly prices every collective several
+    times over (1.2-4.4 ms against 0.3-0.7 for a 4 KiB all-reduce on 2 cores); the cached
+    figures are the middle launch's, all of them from that one launch, where each worker
+    has a core of its own."""
+    import importlib
+
+    from paratrain.planner import machine
+
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "cores", lambda: 4)  # a core for each of the 4 workers
+    assert machine.launches(4) == machine.LAUNCHES == 3
+    assert machine.launches(5) == 1  # workers time-sliced in any launch: one will do
+
+    def launch_figures(small_s: float, send_s: float) -> MachineCosts:
+        lines = {n: Line(small_s, 1e-9) for n in (2, 4)}
+        return MachineCosts(cores=8, backend="gloo", all_reduce=lines, send=Line(send_s, 1e-9))
+
+    slow, usual, fast = (
+        launch_figures(4e-3, 9e-5),
+        launch_figures(6e-4, 1e-4),
+        launch_figures(3e-4, 2e-4),
+    )
+    measured = iter([slow, fast, usual])
+    launch = importlib.import_module("paratrain.runtime.launch")
+    monkeypatch.setattr(
+        launch, "launch", lambda function, devices: [machine.to_json(next(measured))]
+    )
+    kept = machine.machine_costs(4, refresh=True)
+    assert kept == usual  # its send too, though another launch's was faster
+    assert machine.middle_launch([machine.to_json(slow)]) == machine.to_json(slow)
 
 
 def test_each_distinct_block_is_timed_once(monkeypatch):

@@ -2,15 +2,15 @@
 
 The planner's step times add communication to compute, so it needs the latency and the
 bandwidth of the backend the workers use (gloo over loopback on CPU, NCCL on GPUs), for
-each group size a plan forms. ``measure_collectives`` times all-reduces,
-reduce-scatters and all-gathers of a small and a large payload on groups of each size,
-and point-to-point messages between two workers, inside a job (every worker calls it),
-each after every member's share of compute, as a training step meets it
-(``after_work``); ``machine_costs`` starts the workers for that when it is called outside
-one, and keeps the result in a JSON file per machine, backend and worker count
-(``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves it), so later plans take no
-measurement at all (``refresh=True`` measures again).
-"""
+each group size a plan forms. ``measure_collectives`` times all-reduces, reduce-scatters
+and all-gathers of a small and a large payload on groups of each size, and
+point-to-point messages between two workers, inside a job (every worker calls it), each
+after every member's share of compute, as a training step meets it (``after_work``);
+``machine_costs`` starts the workers for that when it is called outside one (three
+times where each worker has a core of its own, keeping the middle launch:
+``launches``, ``middle_launch``), and keeps the result in a JSON file per machine,
+backend and worker count (``~/.cache/paratrain/machine``; ``PARATRAIN_CACHE`` moves
+it), so later plans take no measurement at all (``refresh=True`` measures again)."""
 
 from __future__ import annotations
 
@@ -33,14 +33,18 @@ from paratrain.runtime.devices import current_device
 SIZES = (4 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed: a latency-bound and a bandwidth-bound message."""
 REPEATS = 12
-FORMAT = 7
-"""7: a schedule runner's seconds per micro-batch under a split backward too; 6: each
-strategy's own figures (``Strategy.machine_figures``: a schedule runner's seconds per
-micro-batch), and a collective's lower quartile of 12 repetitions
-(``after_work``) where 5 kept the fastest of 7; 5: a point-to-point message timed as half
-a round trip to a waiting worker (4: with the receiver busy until the message had
-arrived, which timed almost nothing); 4: collectives timed after each member's work, as
-a step calls them (3: their median; 2: back to back)."""
+LAUNCHES = 3
+"""Launches of the workers the collectives are timed in when the planner starts them and
+each worker has a core of its own, the middle one kept (``middle_launch``, ``launches``)."""
+FORMAT = 8
+"""8: the middle of ``launches`` launches (7 and before: one launch); 7: a schedule
+runner's seconds per micro-batch under a split backward too; 6: each strategy's own
+figures (``Strategy.machine_figures``: a schedule runner's seconds per micro-batch), and
+a collective's lower quartile of 12 repetitions (``after_work``) where 5 kept the
+fastest of 7; 5: a point-to-point message timed as half a round trip to a waiting worker
+(4: with the receiver busy until the message had arrived, which timed almost nothing);
+4: collectives timed after each member's work, as a step calls them (3: their median; 2:
+back to back)."""
 WORK_MATMULS = 32
 """Products of two 128 x 128 matrices each member computes before every timed collective
 (about a millisecond on one thread): see ``after_work``."""
@@ -215,6 +219,36 @@ def _measure_worker() -> dict:
     return to_json(measure_collectives())
 
 
+def launches(devices: int) -> int:
+    """How many launches to time the collectives in: ``LAUNCHES`` where every worker has a
+    core of its own, so that where the scheduler places them decides (``middle_launch``);
+    one where they outnumber the cores, which time-slices every collective in any launch
+    (on 2 cores, the 4 KiB all-reduce over 8 workers was 17-26 ms in five launches and
+    over 4 workers 5.0-8.2 ms in three: a spread of 1.5x, not several times) and where a
+    launch takes longest (8 workers: 24 s; three would have taken the README's first plan
+    from 79 s to 140 s)."""
+    return LAUNCHES if devices <= cores() else 1
+
+
+def middle_launch(measured: list[dict]) -> dict:
+    """Of several launches' figures (``to_json``), the launch whose small all-reduce over
+    the most workers is the median, kept whole. The launch, not the repetition, is what
+    varies most: on 2 idle cores the lower quartile of a 4 KiB all-reduce after work was
+    0.3-0.7 ms in most launches of the same two workers and 1.2-4.4 ms in a third of them
+    (12 launches; one slow launch held 2.8-4.4 ms over 72 repetitions), as the scheduler
+    placed the two processes; one launch's figure, cached for every later plan, priced
+    the same tensor-parallel layout's collectives 1.8-5.3 ms in five plans and once put
+    its step at 3.2x its fastest. Steps pay the usual launch's cost, so the middle of
+    three; one launch's figures are kept together, as measured with each other."""
+
+    def small_all_reduce(data: dict) -> float:
+        lines = from_json(data).all_reduce
+        return lines[max(lines)].at(SIZES[0]) if lines else 0.0
+
+    ordered = sorted(measured, key=small_all_reduce)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def to_json(machine: MachineCosts) -> dict:
     return {
         "format": FORMAT,
@@ -268,7 +302,8 @@ def lone_worker_machine() -> MachineCosts:
 
 def machine_costs(devices: int, *, refresh: bool = False) -> MachineCosts:
     """This machine's collectives for ``devices`` workers: from the cache, else measured
-    (inside a job with its workers, outside one by starting ``devices`` local workers)."""
+    (inside a job with its workers, once: the job's processes are placed already; outside
+    one by starting ``devices`` local workers, ``launches`` times: ``middle_launch``)."""
     if devices < 2:
         return lone_worker_machine()
     backend = dist.get_backend() if comm.distributed() else _launch_backend()
@@ -285,7 +320,8 @@ def machine_costs(devices: int, *, refresh: bool = False) -> MachineCosts:
     else:
         from paratrain.runtime.launch import launch
 
-        data = launch(_measure_worker, devices=devices)[0]
+        runs = [launch(_measure_worker, devices=devices)[0] for _ in range(launches(devices))]
+        data = middle_launch(runs)
     if not comm.distributed() or comm.rank() == 0:
         write_json(path, data)
     return from_json(data)
