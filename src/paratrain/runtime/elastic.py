@@ -296,10 +296,9 @@ def gather(store: dist.Store, generation: Generation, timeout_s: float) -> int |
 def reform(
     store: dist.Store, generation: Generation, launch_rank: int, backend: str, timeout_s: float
 ) -> None:
-    """Leave the current default group (``leave_group``, where the caller has not yet)
-    and join the next generation's as the default group. Ranks are the members' order:
-    the lowest surviving launch rank becomes rank 0."""
-    leave_group()
+    """Join the next generation's group as the default group: the caller has left the
+    old one first (``leave_group``, before ``gather``), or, a replacement, never had one.
+    Ranks are the members' order: the lowest surviving launch rank becomes rank 0."""
     rank = generation.members.index(launch_rank)
     prefix = dist.PrefixStore(f"paratrain/elastic/{generation.number}", store)
     dist.init_process_group(
