@@ -225,8 +225,8 @@ def launches(devices: int) -> int:
     one where they outnumber the cores, which time-slices every collective in any launch
     (on 2 cores, the 4 KiB all-reduce over 8 workers was 17-26 ms in five launches and
     over 4 workers 5.0-8.2 ms in three: a spread of 1.5x, not several times) and where a
-    launch takes longest (8 workers: 24 s; three would have taken the README's first plan
-    from 79 s to 140 s)."""
+    launch takes longest (8 workers: 24 s; three took the README's first plan from 94 s
+    to 140 s)."""
     return LAUNCHES if devices <= cores() else 1
 
 
