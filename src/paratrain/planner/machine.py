@@ -241,9 +241,9 @@ def middle_launch(measured: list[dict]) -> dict:
     its step at 3.2x its fastest. Steps pay the usual launch's cost, so the middle of
     three; one launch's figures are kept together, as measured with each other."""
 
-    def small_all_reduce(data: dict) -> float:
+    def small_all_reduce(data: dict) -> float:  # every launch has 2 or more workers
         lines = from_json(data).all_reduce
-        return lines[max(lines)].at(SIZES[0]) if lines else 0.0
+        return lines[max(lines)].at(SIZES[0])
 
     ordered = sorted(measured, key=small_all_reduce)
     return ordered[(len(ordered) - 1) // 2]
