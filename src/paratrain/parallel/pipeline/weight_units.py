@@ -20,6 +20,8 @@ outputs are consumed only at the slots the module returned. A piece (an uncut ch
 one layer of a cut one) any of whose parameters is not proved so takes its W whole, from
 its output (``split_backward.LayerTape``). The proof costs one walk of the piece's graph
 (about 0.2 ms a gpt block of 42 nodes on a fresh graph, whose node wrappers it creates).
+A plain ``nn.Linear``'s W skips autograd altogether (``linear_weight``): the same product
+and sum, made directly from the input its call recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from paratrain.parallel.layer_profile import tensors_in
+from paratrain.parallel.pipeline.linear_weight import direct_input, linear_weight
 
 
 def graph_tensors(value: Any) -> list[torch.Tensor]:
@@ -68,11 +71,19 @@ class Unit:
     reached: list[nn.Parameter] = field(default_factory=list)
     """Its parameters this call used: the ones W asks for."""
     calls: int = 0
+    direct: torch.Tensor | None = None
+    """A plain ``nn.Linear``'s input, where its W may be taken without autograd
+    (``linear_weight``); None otherwise."""
 
     def backward_weight(self, *, keep_graph: bool) -> None:
         """W of this unit: its parameters' gradients from its outputs' (those B reached),
         accumulated into ``.grad`` as one backward would."""
         if not self.grads:  # B found no gradient for the layer: neither has W
+            return
+        if self.direct is not None and linear_weight(
+            self.module, self.direct, self.grads[0], self.reached
+        ):
+            self.direct = None
             return
         pairs = [(o, g) for o, g in zip(self.outputs, self.grads, strict=True) if g is not None]
         if pairs and self.reached:
@@ -124,6 +135,7 @@ class UnitRecorder:
         unit.inputs = [_node(t) for t in inputs]
         passed = {id(t) for t in inputs}
         unit.outputs = [t for t in graph_tensors(output) if id(t) not in passed]
+        unit.direct = direct_input(module, args, unit.outputs)
 
 
 class UnitHooks:
