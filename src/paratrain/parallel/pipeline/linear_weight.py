@@ -13,15 +13,21 @@ the input's rows; equal bit for bit on contiguous 2-D and 3-D inputs,
 ``test_linear_weight``) and the bias's the same sum over rows; each is added into
 ``.grad`` as autograd's accumulation does (set where empty, added in place otherwise).
 Taken only where nothing else could act between the module and its gradients: the module
-is exactly ``nn.Linear`` (no subclass, whose forward may differ; no parametrization, which
-makes one), it was called with its input alone, no hook but the round's own is on it and
-none on every module (torch's global module hooks), the input, output and weight share
-one dtype (under autocast they do not: the product ran on cast copies), and at W time no
-hook is on its parameters (a replica's gradient buckets and ZeRO count gradients by such
-hooks, which only autograd runs). Any other unit keeps autograd's W.
+is exactly ``nn.Linear`` with its class's forward (no subclass or forward set on the
+instance, which may compute otherwise; no parametrization, which makes a subclass), it
+was called with its input alone, no hook but the round's own is on it and none on every
+module (torch's global module hooks), the input, output and weight share one dtype
+(under autocast they do not: the product ran on cast copies), and at W time no hook is
+on its parameters (a replica's gradient buckets and ZeRO count gradients by such hooks,
+which only autograd runs) and neither the input nor the output was changed in place
+since the call (``y = linear(x); y.mul_(2)`` leaves the gradient B found at ``y`` one
+that autograd's W carries back through the ``mul_``, and a changed input is one autograd
+refuses). Any other unit keeps autograd's W.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.modules.module as module_hooks
@@ -49,12 +55,29 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
-def direct_input(
-    module: nn.Module, args: tuple, outputs: list[torch.Tensor]
-) -> torch.Tensor | None:
-    """The input of this call of ``module`` if its W may be taken directly (see the
-    module docstring), else None. ``outputs``: the call's graph-carrying outputs."""
-    if type(module) is not nn.Linear or len(args) != 1 or len(outputs) != 1:
+@dataclass
+class LinearCall:
+    """One call of a plain Linear whose W may be taken directly: its input and output and
+    the versions they had when it returned (an in-place change of either since leaves
+    autograd's W the only exact one)."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+    versions: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.versions = (self.x._version, self.out._version)
+
+    def unchanged(self) -> bool:
+        return (self.x._version, self.out._version) == self.versions
+
+
+def linear_call(module: nn.Module, args: tuple, outputs: list[torch.Tensor]) -> LinearCall | None:
+    """This call of ``module`` if its W may be taken directly (see the module docstring),
+    else None. ``outputs``: the call's graph-carrying outputs."""
+    if type(module) is not nn.Linear or "forward" in vars(module):  # its own forward only
+        return None
+    if len(args) != 1 or len(outputs) != 1:
         return None
     x, out, weight = args[0], outputs[0], module.weight
     if type(x) is not torch.Tensor or x.layout != torch.strided or x.dim() == 0:
@@ -63,7 +86,7 @@ def direct_input(
         return None
     if not x.dtype == out.dtype == weight.dtype or out.shape[:-1] != x.shape[:-1]:
         return None
-    return None if _hooked(module) else x
+    return None if _hooked(module) else LinearCall(x, out)
 
 
 def _plain(param: nn.Parameter) -> bool:
@@ -81,14 +104,18 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
 
 
 def linear_weight(
-    module: nn.Linear, x: torch.Tensor, grad: torch.Tensor | None, reached: list[nn.Parameter]
+    module: nn.Linear, call: LinearCall, grad: torch.Tensor | None, reached: list[nn.Parameter]
 ) -> bool:
-    """W of one call of ``module`` on ``x`` from its output's gradient, into the ``.grad``
-    of its parameters in ``reached``; False (nothing done) where a parameter carries a hook
-    or the gradient is not of the output's kind, so that autograd's W runs instead."""
+    """W of ``call`` of ``module`` from its output's gradient, into the ``.grad`` of its
+    parameters in ``reached``; False (nothing done) where a parameter carries a hook, the
+    call's tensors changed in place or the gradient is not of the output's kind, so that
+    autograd's W runs instead."""
     if grad is None:
         return True  # no gradient reached the output: autograd's W would do nothing
-    if grad.dtype != x.dtype or grad.layout != torch.strided or not all(map(_plain, reached)):
+    x = call.x
+    if grad.dtype != x.dtype or grad.layout != torch.strided or not call.unchanged():
+        return False
+    if not all(map(_plain, reached)):
         return False
     with torch.no_grad():
         rows = grad.reshape(-1, grad.shape[-1])

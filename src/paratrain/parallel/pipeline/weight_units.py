@@ -37,7 +37,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from paratrain.parallel.layer_profile import tensors_in
-from paratrain.parallel.pipeline.linear_weight import direct_input, linear_weight
+from paratrain.parallel.pipeline.linear_weight import LinearCall, linear_call, linear_weight
 
 
 def graph_tensors(value: Any) -> list[torch.Tensor]:
@@ -71,8 +71,8 @@ class Unit:
     reached: list[nn.Parameter] = field(default_factory=list)
     """Its parameters this call used: the ones W asks for."""
     calls: int = 0
-    direct: torch.Tensor | None = None
-    """A plain ``nn.Linear``'s input, where its W may be taken without autograd
+    direct: LinearCall | None = None
+    """A plain ``nn.Linear``'s call, where its W may be taken without autograd
     (``linear_weight``); None otherwise."""
 
     def backward_weight(self, *, keep_graph: bool) -> None:
@@ -135,7 +135,7 @@ class UnitRecorder:
         unit.inputs = [_node(t) for t in inputs]
         passed = {id(t) for t in inputs}
         unit.outputs = [t for t in graph_tensors(output) if id(t) not in passed]
-        unit.direct = direct_input(module, args, unit.outputs)
+        unit.direct = linear_call(module, args, unit.outputs)
 
 
 class UnitHooks:
