@@ -80,11 +80,11 @@ def linear_call(module: nn.Module, args: tuple, outputs: list[torch.Tensor]) -> 
     if len(args) != 1 or len(outputs) != 1:
         return None
     x, out, weight = args[0], outputs[0], module.weight
-    if type(x) is not torch.Tensor or x.layout != torch.strided or x.dim() == 0:
+    if type(x) is not torch.Tensor or x.layout != torch.strided:
         return None
     if type(weight) is not nn.Parameter or not weight.is_contiguous():
         return None
-    if not x.dtype == out.dtype == weight.dtype or out.shape[:-1] != x.shape[:-1]:
+    if not x.dtype == out.dtype == weight.dtype:
         return None
     return None if _hooked(module) else LinearCall(x, out)
 
@@ -106,17 +106,15 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
 def linear_weight(
     module: nn.Linear, call: LinearCall, grad: torch.Tensor | None, reached: list[nn.Parameter]
 ) -> bool:
-    """W of ``call`` of ``module`` from its output's gradient, into the ``.grad`` of its
-    parameters in ``reached``; False (nothing done) where a parameter carries a hook, the
-    call's tensors changed in place or the gradient is not of the output's kind, so that
-    autograd's W runs instead."""
+    """W of ``call`` of ``module`` from its output's gradient (autograd's, so of the
+    output's dtype and layout), into the ``.grad`` of its parameters in ``reached``; False
+    (nothing done) where a parameter carries a hook or the call's tensors changed in place,
+    so that autograd's W runs instead."""
     if grad is None:
         return True  # no gradient reached the output: autograd's W would do nothing
+    if not call.unchanged() or not all(map(_plain, reached)):
+        return False
     x = call.x
-    if grad.dtype != x.dtype or grad.layout != torch.strided or not call.unchanged():
-        return False
-    if not all(map(_plain, reached)):
-        return False
     with torch.no_grad():
         rows = grad.reshape(-1, grad.shape[-1])
         for param in reached:
