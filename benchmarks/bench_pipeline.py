@@ -26,8 +26,8 @@ makes its neighbours wait beyond what median times show, so a third theory repla
 step on its own measured passes (``replay.stepwise_theory``): what the run idles beyond
 it is the engine's own gaps between passes, and the 10% goal is judged on it. The stage
 imbalance is the slowest stage's busy time over the fastest's. After the table: each ZB
-schedule's idle seconds per step over 1F1B's (the goal: ZB-H1 at most a third), as the
-per-stage mean and as the busiest stage's (what bounds the step), beside the paper's
+schedule's idle seconds per step over 1F1B's (the goal: ZB-H1 at most a third, judged on
+the busiest stage's, what bounds the step), and as the per-stage mean, beside the paper's
 (F+B-W)/(F+B+W) on the run's own pass times, and each row's goals. On a machine with
 fewer cores than workers the figures are contended (the bubble then partly measures
 waiting for a core): the table says so.
@@ -375,7 +375,10 @@ def run(models, stage_counts, schedules, rounds, steps, repeats, threads=None) -
 
 
 ZB_GOAL = 1 / 3
-"""The issue's goal: a ZB schedule's idle time per step at most a third of 1F1B's."""
+"""The issue's goal: a ZB schedule's idle time per step at most a third of 1F1B's, judged
+on the busiest stage's idle (``busiest_stage_idle``): the bubble the schedule adds to the
+step. The per-stage mean, printed beside it, also holds a lighter stage's waiting for the
+busiest, which is the same under every schedule and no schedule removes."""
 
 
 def add_goals(rows: list[dict]) -> None:
@@ -396,13 +399,13 @@ def add_goals(rows: list[dict]) -> None:
             idle, base_idle = row["idle_s_per_step"], base["idle_s_per_step"]
             ratio = {key: idle[key] / base_idle[key] for key in idle}
             row["idle_over_1f1b"] = ratio
-            row["goals"]["idle_at_most_a_third_of_1f1b"] = ratio["measured"] <= ZB_GOAL
+            row["goals"]["idle_at_most_a_third_of_1f1b"] = ratio["busiest_stage"] <= ZB_GOAL
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
     """After the table: ZB idle seconds over 1F1B's per model and stage count, then one
     goals line per row."""
-    lines = ["", "ZB idle seconds per step (per-stage mean) over 1F1B's (goal: <= 1/3):"]
+    lines = ["", "ZB idle seconds per step over 1F1B's (goal: the busiest stage's <= 1/3):"]
     zb = [row for row in rows if row["schedule"].startswith("zb")]
     for row in zb:
         where = f"{row['model']} {row['stages']} stages {row['schedule']}"
@@ -413,9 +416,9 @@ def summary_lines(rows: list[dict]) -> list[str]:
         met = _yes(row["goals"]["idle_at_most_a_third_of_1f1b"])
         floor = row["zero_bubble_floor"]
         lines.append(
-            f"  {where}: measured {ratio['measured']:.2f} ({met}), replayed "
-            f"{ratio['replayed']:.2f}; the busiest stage's idle {ratio['busiest_stage']:.2f} "
-            f"(replayed {ratio['replayed_busiest_stage']:.2f})"
+            f"  {where}: the busiest stage's idle {ratio['busiest_stage']:.2f} ({met}) "
+            f"(replayed {ratio['replayed_busiest_stage']:.2f}); per-stage mean "
+            f"{ratio['measured']:.2f}, replayed {ratio['replayed']:.2f}"
             + (f"; (F+B-W)/(F+B+W) on this run's passes {floor:.2f}" if floor is not None else "")
             + f"; torch's {PEERS[row['schedule']]} over its Schedule1F1B: "
             f"{ratio['torch']:.2f}, the busiest stage's {ratio['torch_busiest_stage']:.2f}"
@@ -426,8 +429,9 @@ def summary_lines(rows: list[dict]) -> list[str]:
         lines.append(
             "  (the busiest stage's idle: what the schedule adds to the step beyond the work "
             "that bounds it, replayed: the same of the schedule placed on this run's stage "
-            "times; (F+B-W)/(F+B+W): ZB-H1's over 1F1B's on equal stages with these "
-            "pass times, 1/3 only where W = (F+B)/2)"
+            "times; the per-stage mean also holds the lighter stages' waiting for the "
+            "busiest, alike under every schedule; (F+B-W)/(F+B+W): ZB-H1's over 1F1B's on "
+            "equal stages with these pass times, 1/3 only where W = (F+B)/2)"
         )
     lines += ["", "Goals per row:"]
     for row in rows:
