@@ -378,7 +378,8 @@ ZB_GOAL = 1 / 3
 """The issue's goal: a ZB schedule's idle time per step at most a third of 1F1B's, judged
 on the busiest stage's idle (``busiest_stage_idle``): the bubble the schedule adds to the
 step. The per-stage mean, printed beside it, also holds a lighter stage's waiting for the
-busiest, which is the same under every schedule and no schedule removes."""
+busiest, about the same under every schedule (each stage does the same work under each),
+which no schedule removes."""
 
 
 def add_goals(rows: list[dict]) -> None:
