@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -359,3 +360,18 @@ def test_bench_elastic_quick_is_the_60_step_shape_the_shrinking_run_can_take(mon
     monkeypatch.setattr("sys.argv", ["bench_elastic.py"])
     args = bench.parse()
     assert (args.steps, args.kills, args.checkpoint_every) == (400, 5, 50)
+
+
+def test_pipeline_cores_refuses_a_bad_part_and_too_few_cores(tmp_path):
+    # The lanes give each stage a core of its own: on a machine without 3 cores a lane
+    # (12 for part 2) the script must say so rather than report contended figures as
+    # uncontended; a part other than 2 or 4 stages is refused before anything runs.
+    script = BENCHMARKS / "pipeline_cores.sh"
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", str(script), "3"], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and "the part is 2 or 4 (stages), not '3'" in run.stderr
+    if len(os.sched_getaffinity(0)) >= 12 or os.cpu_count() >= 12:
+        pytest.skip("this machine has the 12 cores part 2 needs; the refusal is not reached")
+    run = subprocess.run(["bash", str(script), "2"], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and "ALLOW_SHARED=1" in run.stderr
+    assert not (tmp_path / "out").exists()  # nothing started, no folder left behind
