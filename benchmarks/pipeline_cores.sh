@@ -40,10 +40,14 @@ mkdir -p "$OUT"
 lane() {  # lane INDEX NAME bench-arguments...: one pinned, bounded bench run
   local index=$1 name=$2 cores
   shift 2
-  cores="0-$((CORES - 1))"
-  [ "${ALLOW_SHARED:-0}" = 1 ] || cores="$((index * WIDTH))-$((index * WIDTH + WIDTH - 1))"
+  cores="$((index * WIDTH))-$((index * WIDTH + WIDTH - 1))"
+  : >"$OUT/$name.txt"
+  if [ "${ALLOW_SHARED:-0}" = 1 ]; then
+    cores="0-$((CORES - 1))"  # the bench's "contended" label cannot see the other lanes
+    echo "ALLOW_SHARED=1: every lane on cores $cores, the figures contended" >"$OUT/$name.txt"
+  fi
   timeout "$LANE_S" taskset -c "$cores" python3 benchmarks/bench_pipeline.py --threads 1 \
-    --json "$OUT/$name.json" "$@" >"$OUT/$name.txt" 2>&1
+    --json "$OUT/$name.json" "$@" >>"$OUT/$name.txt" 2>&1
   echo "lane $name (cores $cores) rc $?" >>"$OUT/$name.txt"
 }
 
