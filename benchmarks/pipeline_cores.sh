@@ -17,8 +17,9 @@ PART=${1:-2}
 OUT=${OUT:-pipeline-out}
 LANE_S=${LANE_S:-540}
 REPEATS=${REPEATS:-2}
-case "$PART" in
-  2 | 4) ;;
+case "$PART" in  # lanes, and the cores a lane needs: its stages, the launcher, gloo's threads
+  2) LANES=4 NEEDED=3 ;;
+  4) LANES=2 NEEDED=6 ;;
   *)
     echo "pipeline_cores.sh: the part is 2 or 4 (stages), not '$PART'." >&2
     exit 2
@@ -26,9 +27,7 @@ case "$PART" in
 esac
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 CORES=$(nproc --all)
-LANES=$([ "$PART" = 4 ] && echo 2 || echo 4)
 WIDTH=$((CORES / LANES))
-NEEDED=$([ "$PART" = 4 ] && echo 6 || echo 3) # the stages, the launcher, gloo's threads
 if [ "${ALLOW_SHARED:-0}" != 1 ] && [ "$WIDTH" -lt "$NEEDED" ]; then
   echo "pipeline_cores.sh: $CORES cores give $LANES lanes of $WIDTH; part $PART needs" \
     "$NEEDED a lane ($((LANES * NEEDED)) cores): run it on a larger machine, or set" \
@@ -41,14 +40,14 @@ lane() {  # lane INDEX NAME bench-arguments...: one pinned, bounded bench run
   local index=$1 name=$2 cores
   shift 2
   cores="$((index * WIDTH))-$((index * WIDTH + WIDTH - 1))"
-  : >"$OUT/$name.txt"
-  if [ "${ALLOW_SHARED:-0}" = 1 ]; then
-    cores="0-$((CORES - 1))"  # the bench's "contended" label cannot see the other lanes
-    echo "ALLOW_SHARED=1: every lane on cores $cores, the figures contended" >"$OUT/$name.txt"
-  fi
-  timeout "$LANE_S" taskset -c "$cores" python3 benchmarks/bench_pipeline.py --threads 1 \
-    --json "$OUT/$name.json" "$@" >>"$OUT/$name.txt" 2>&1
-  echo "lane $name (cores $cores) rc $?" >>"$OUT/$name.txt"
+  [ "${ALLOW_SHARED:-0}" = 1 ] && cores="0-$((CORES - 1))"
+  {
+    # the bench's "contended" label sees its own affinity, not the other lanes
+    [ "${ALLOW_SHARED:-0}" = 1 ] && echo "ALLOW_SHARED=1: every lane on cores $cores, contended"
+    timeout "$LANE_S" taskset -c "$cores" python3 benchmarks/bench_pipeline.py --threads 1 \
+      --json "$OUT/$name.json" "$@" 2>&1
+    echo "lane $name (cores $cores) rc $?"
+  } >"$OUT/$name.txt"
 }
 
 { nproc --all; python3 -c "import torch; print(torch.__version__)"; } >&2
