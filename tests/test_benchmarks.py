@@ -375,3 +375,35 @@ def test_pipeline_cores_refuses_a_bad_part_and_too_few_cores(tmp_path):
     run = subprocess.run(["bash", str(script), "2"], capture_output=True, text=True, env=env)
     assert run.returncode == 2 and "ALLOW_SHARED=1" in run.stderr
     assert not (tmp_path / "out").exists()  # nothing started, no folder left behind
+
+
+def test_pipeline_gaps_sums_each_kind_and_sets_the_rounds_first_forward_apart(monkeypatch):
+    """Synthetic gaps of 2 measured steps on 2 stages: each group's count a step, median,
+    mean and milliseconds a step; stage 1's forwards (fed by stage 0) split into micro-
+    batch 0 and the rest; each stage's total a step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gaps_tool = importlib.import_module("pipeline_gaps")
+    from paratrain.parallel.pipeline.replay import PassGap
+
+    def gap(stage, kind, micro, step, bound, us):
+        return PassGap(stage, 0, kind, micro, step, bound, us * 1e-6)
+
+    gaps = [
+        gap(1, "F", 0, 1, "input", 900),
+        gap(1, "F", 1, 1, "stage", 100),
+        gap(1, "F", 0, 2, "input", 300),
+        gap(1, "F", 1, 2, "stage", 120),
+        gap(0, "B", 0, 1, "input", 40),
+        gap(0, "F", 1, 1, "stage", 20),
+    ]
+    lines = gaps_tool.summary(gaps, steps=2, stages=2)
+    assert "| 1 | 0 | F | input | 1.0 | 600 | 600 | 0.60 |" in lines
+    assert "| 1 | 0 | F | stage | 1.0 | 110 | 110 | 0.11 |" in lines
+    assert "| 0 | 0 | B | input | 0.5 | 40 | 40 | 0.02 |" in lines
+    assert "  stage 1 chunk 0, micro-batch 0: median 600, mean 600" in lines
+    assert "  stage 1 chunk 0, the others: median 110, mean 110" in lines
+    assert not any(line.startswith("  stage 0") for line in lines)  # stage 0 is fed data
+    assert "stage 1: 0.71 ms of gaps a step" in lines
+    assert "stage 0: 0.03 ms of gaps a step" in lines
+    with pytest.raises(SystemExit):  # a split given for 2 stages, one piece a stage
+        gaps_tool.main(["--model", "mlp-first-loaded", "--stages", "4"])

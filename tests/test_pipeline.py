@@ -124,13 +124,57 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_recompute_fewer_still():
 
 
 @pytest.mark.slow
-def test_shapes_may_change_between_steps(monkeypatch):
-    results = paratrain.launch(workers.varying_length_worker, devices=2)
+@pytest.mark.parametrize(
+    ("lengths", "posted_ahead"),
+    [
+        ((8, 4, 6), (0, 0)),  # never two equal headers in a row: nothing posted ahead
+        # steps 3-8 post their first activation ahead where the last two steps' lengths
+        # were equal (8 8 | 8, 8 8 | 4, 4 4 | 6): 3 rounds, the second and third missing
+        ((8, 8, 8, 4, 4, 6, 6), (3, 2)),
+    ],
+)
+def test_shapes_may_change_between_steps(monkeypatch, lengths, posted_ahead):
+    """Parity with one device (the tolerance of the parity tests) while the sequence
+    length changes, whether or not the round's first activation was posted before its
+    header in the last one's shapes (``p2p``); the receiving stage's link says which."""
+    results = paratrain.launch(workers.varying_length_worker, devices=2, args=(lengths,))
     monkeypatch.setenv("PARATRAIN_TEST_STRATEGY", "single")
-    reference_state, reference_losses = workers.varying_length_worker()
-    state, losses = results[0]
+    reference_state, reference_losses, _ = workers.varying_length_worker(lengths)
+    state, losses, _ = results[0]
     assert relative_error(state, reference_state) <= TOLERANCE
     assert losses == pytest.approx(reference_losses, rel=TOLERANCE)
+    assert results[1][2] == [posted_ahead]
+
+
+def test_a_link_posts_the_first_activation_ahead_only_after_two_equal_headers():
+    """A bare link, 2 micro-batches a round: each round's values arrive exactly as sent
+    (a tensor, a smaller one, then a dict with a plain value), whether micro-batch 0 was
+    posted before the header and the header agreed (rounds 3 and 8), or then differed in
+    shape (round 4) or in structure (round 6) and the sender filled the early receives with
+    zeros and moved micro-batch 0 to other tags."""
+    generator = torch.Generator().manual_seed(0)
+
+    def value(kind: str) -> object:
+        if kind == "a":
+            return torch.randn(3, 4, generator=generator)
+        if kind == "b":
+            return torch.randn(2, 4, generator=generator)
+        return {"h": torch.randn(2, 4, generator=generator), "ids": torch.arange(2), "n": 3}
+
+    kinds = ["a", "a", "a", "b", "b", "c", "c", "c"]
+    rounds = [[value(kind), value(kind)] for kind in kinds]
+    results = paratrain.launch(workers.stage_link_rounds_worker, devices=2, args=(rounds,))
+    received = results[1]["received"]
+    sent = [one for values in rounds for one in values]
+    assert len(received) == len(sent)
+    for got, want in zip(received, sent, strict=True):
+        if isinstance(want, dict):
+            assert got.keys() == want.keys() and got["n"] == 3
+            assert torch.equal(got["h"], want["h"]) and torch.equal(got["ids"], want["ids"])
+        else:
+            assert torch.equal(got, want)
+    # ahead in rounds 3 (a a | a), 4 (a a | b: missed), 6 (b b | c: missed), 8 (c c | c)
+    assert (results[1]["ahead"], results[1]["missed"]) == (4, 2)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import pytest
 
 from paratrain.parallel.pipeline.replay import (
     Slot,
+    engine_gaps,
     message_time,
     replay,
     replayed_bubble,
@@ -123,12 +124,21 @@ HOP = 0.75e-3
 
 
 def _synthetic_run(
-    tmp_path, name: str, stages: int, micro: int, chunks: int = 1, *, late: float = 0.0
+    tmp_path,
+    name: str,
+    stages: int,
+    micro: int,
+    chunks: int = 1,
+    *,
+    late: float = 0.0,
+    delayed: tuple[int, int, str, int, float] | None = None,
 ):
     """Three steps of ``name`` replayed on TRUE (a stage's chunks alike; an unsplit B is
     B + W) and HOP, one second apart, written as the engine writes its timeline; step 0
     runs everything 1 ms slower (warm-up), which the replay must leave out; with ``late``,
-    stage 1's B of micro-batch 0 takes that much longer in every step."""
+    stage 1's B of micro-batch 0 takes that much longer in every step; with ``delayed``
+    (stage, chunk, kind, micro, seconds), that pass starts so much later than it could in
+    every step, lasting its own time (an engine's gap before it)."""
     schedule = build_schedule(name, stages, micro, chunks)
     split = name.startswith("zb")
 
@@ -141,14 +151,18 @@ def _synthetic_run(
     for step in range(3):
         slow = 1e-3 if step == 0 else 0.0
 
+        def gap(stage, action):
+            key = (stage, action.chunk, action.kind, action.micro)
+            return delayed[4] if delayed is not None and key == delayed[:4] else 0.0
+
         def length(stage, action, slow=slow):
             extra = late if (stage, action.kind, action.micro) == (1, "B", 0) else 0.0
-            return seconds(stage, action.chunk, action.kind, slow) + extra
+            return seconds(stage, action.chunk, action.kind, slow) + extra + gap(stage, action)
 
         placed = place_actions(schedule, length, hop=HOP)
         for stage, row in enumerate(placed):
             for a, start, end in row:
-                slot = Slot(a, start, end)
+                slot = Slot(a, start + gap(stage, a), end)
                 records.append(
                     {
                         "kind": KINDS[a.kind],
@@ -215,3 +229,28 @@ def test_a_timeline_event_names_a_chunk_the_meta_line_has_not(tmp_path):
     )
     with pytest.raises(ValueError, match="names chunk 1, but the meta line says there are 1"):
         read_timeline(path)
+
+
+@pytest.mark.parametrize(("name", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("1f1b", 2)])
+def test_engine_gaps_are_zero_where_the_run_is_its_replay_and_find_a_late_start(
+    tmp_path, name, chunks
+):
+    """A run placed by the replay's own rules has no gap at any pass; delaying the start
+    of stage 1's forward of micro-batch 2 (chunk 0) by 0.4 ms, its duration kept, shows
+    that gap at that pass in each measured step, bound by what bound it undelayed, and
+    nowhere else: the passes after it start as early as they can after it."""
+    timeline, _ = _synthetic_run(tmp_path, name, 2, 4, chunks)
+    gaps = engine_gaps(timeline)
+    # 1e-12 s: a gap is a few float64 sums and differences of times below 3 s, each off
+    # by at most 2^-52 x 3 (7e-16); pure Python arithmetic, alike on any CPU
+    assert gaps and max(abs(g.seconds) for g in gaps) < 1e-12
+    # every pass of the 2 measured steps but stage 0's first, which waits for nothing
+    assert len(gaps) == 2 * (sum(len(row) for row in build_schedule(name, 2, 4, chunks)) - 1)
+    bound = {(g.stage, g.chunk, g.kind, g.micro): g.bound for g in gaps}[1, 0, "F", 2]
+    timeline, _ = _synthetic_run(tmp_path, name, 2, 4, chunks, delayed=(1, 0, "F", 2, 0.4e-3))
+    late = [g for g in engine_gaps(timeline, hop_s=HOP) if abs(g.seconds) > 1e-12]
+    assert [(g.stage, g.chunk, g.kind, g.micro, g.bound) for g in late] == [
+        (1, 0, "F", 2, bound)
+    ] * 2
+    assert [g.step for g in late] == [1, 2]
+    assert all(g.seconds == pytest.approx(0.4e-3, abs=1e-12) for g in late)

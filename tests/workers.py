@@ -303,27 +303,55 @@ def activation_peaks_worker(settings: list[dict]) -> list[int]:
     return peaks
 
 
-def varying_length_worker() -> tuple[dict, list[float]]:
-    """Sequence length changes between steps (8, then 4, then 6)."""
+def varying_length_worker(lengths: tuple[int, ...] = (8, 4, 6)) -> tuple[dict, list[float], list]:
+    """Sequence length changes between steps (by default 8, then 4, then 6); also each
+    pipeline link's count of rounds whose first activation was posted before its header,
+    and of those whose header then differed (``StageLink``)."""
     engine = parity_engine(
         os.environ.get("PARATRAIN_TEST_STRATEGY", "pipeline"),
         "gpt",
         "adam",
         **({"stages": 2, "micro_batches": 4} if dist.is_initialized() else {}),
     )
-    losses = [engine.train_step(x, y).loss for x, y in varying_length_batches()]
-    return engine.state_dict(), losses
+    losses = [engine.train_step(x, y).loss for x, y in varying_length_batches(lengths)]
+    links = [chunk.link for chunk in getattr(engine, "chunks", [])]
+    posted = [(link.rounds_posted_ahead, link.guesses_missed) for link in links]
+    return engine.state_dict(), losses, posted
 
 
-def varying_length_batches():
+def varying_length_batches(lengths: tuple[int, ...] = (8, 4, 6)):
     generator = torch.Generator().manual_seed(3)
     return [
         (
             torch.randint(0, 11, (8, length), generator=generator),
             torch.randint(0, 11, (8, length), generator=generator),
         )
-        for length in (8, 4, 6)
+        for length in lengths
     ]
+
+
+def stage_link_rounds_worker(rounds: list) -> dict:
+    """Rank 0 sends each round's values (one per micro-batch) over a bare ``StageLink``
+    to rank 1, which returns what it received and its link's posting-ahead counts."""
+    from paratrain.parallel.pipeline.p2p import StageLink
+
+    rank = dist.get_rank()
+    link = StageLink(
+        torch.device("cpu"),
+        prev_rank=0 if rank == 1 else None,
+        next_rank=1 if rank == 0 else None,
+        window=2,
+    )
+    received = []
+    for values in rounds:
+        link.begin_round(len(values), expect_loss=False)
+        for micro, value in enumerate(values):
+            if rank == 0:
+                link.send_activation(value, micro)
+            else:
+                received.append(link.recv_activation(micro))
+        link.flush()
+    return {"received": received, "ahead": link.rounds_posted_ahead, "missed": link.guesses_missed}
 
 
 def checkpoint_phase(

@@ -46,9 +46,11 @@ from paratrain.parallel.pipeline.timeline import (
 
 __all__ = [
     "Durations",
+    "PassGap",
     "Replay",
     "Slot",
     "TimelineReplay",
+    "engine_gaps",
     "message_time",
     "replay",
     "replayed_bubble",
@@ -276,6 +278,65 @@ def stepwise_theory(timeline: Timeline, replica: int = 0, *, hop_s: float | None
         step_replay(timeline, step, replica, hop_s=hop).bubble
         for step in measured_steps(timeline, replica)
     )
+
+
+@dataclass(frozen=True)
+class PassGap:
+    """How much later a pass started than it could have: after its stage's previous pass
+    of the step ended and its inputs had come (each made on another device ``hop_s``
+    after its pass ended). ``bound``: which came last, ``"stage"`` or ``"input"``."""
+
+    stage: int
+    chunk: int
+    kind: str
+    """The action's kind: ``"F"``, ``"B"`` or ``"W"``."""
+    micro: int
+    step: int
+    bound: str
+    seconds: float
+
+
+def engine_gaps(
+    timeline: Timeline, replica: int = 0, *, hop_s: float | None = None
+) -> list[PassGap]:
+    """Every measured pass's ``PassGap``, with ``hop_s`` per message (the run's
+    ``message_time`` where not given): what the engine adds at each pass beyond what
+    ``step_replay`` places (receiving and posting, its bookkeeping, a message slower than
+    the hop). A stage's first pass of a step with no input from another device is left
+    out, as in ``message_time``: what came before it is not on the timeline. A pass can
+    start a little before its input's pass ended (the sender stamps its end after its
+    send returns), so a gap can be slightly negative."""
+    schedule = _schedule_of(timeline)
+    stages = len(schedule)
+    virtual = stages * timeline.virtual_stages
+    hop = message_time(timeline, replica) if hop_s is None else hop_s
+    gaps = []
+    for step in measured_steps(timeline, replica):
+        rows = _round_events(timeline, schedule, step, replica)
+        made = {
+            (LETTER[e.kind], e.chunk * stages + e.stage, e.micro): e for row in rows for e in row
+        }
+        for stage, row in enumerate(rows):
+            for previous, event in zip([None, *row[:-1]], row, strict=True):
+                action = Action(LETTER[event.kind], event.micro, event.chunk)
+                deps = dependencies(stage, action, stages, virtual)
+                inputs = [made[d].end + (hop if d[1] % stages != stage else 0.0) for d in deps]
+                if previous is None and not inputs:
+                    continue
+                free = previous.end if previous is not None else -math.inf
+                ready = max(inputs, default=-math.inf)
+                gaps.append(
+                    PassGap(
+                        stage=stage,
+                        chunk=event.chunk,
+                        kind=action.kind,
+                        micro=event.micro,
+                        step=step,
+                        bound="input" if ready > free else "stage",
+                        seconds=event.start - max(free, ready),
+                    )
+                )
+    return gaps
 
 
 def replayed_theory(timeline: Timeline, replica: int = 0) -> tuple[float, float]:
