@@ -128,8 +128,8 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_recompute_fewer_still():
     ("lengths", "posted_ahead"),
     [
         ((8, 4, 6), (0, 0)),  # never two equal headers in a row: nothing posted ahead
-        # steps 3-8 post their first activation ahead where the last two steps' lengths
-        # were equal (8 8 | 8, 8 8 | 4, 4 4 | 6): 3 rounds, the second and third missing
+        # of steps 3 to 7, those after two steps of equal length post their first
+        # activation ahead (8 8 | 8, 8 8 | 4, 4 4 | 6): 3 rounds, the second and third miss
         ((8, 8, 8, 4, 4, 6, 6), (3, 2)),
     ],
 )

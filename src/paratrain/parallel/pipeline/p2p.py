@@ -20,8 +20,9 @@ travel for its floating-point tensors only.
 
 The round's first activation, posted before its header: a receive posted only once the
 header has come is posted after the sender sent, the round trip above, on every round's
-first pass (on a 2-stage mlp on 2 cores, that pass started a median 0.35 ms and a mean
-1.2 ms after the sender's pass ended, against 0.1 ms for the round's other passes). So
+first pass (on a 2-stage mlp on 2 cores, that pass started a median 0.3 ms and a mean
+0.7-1.6 ms after it could, against 0.1 ms for the round's other forwards; see
+``benchmarks/pipeline_gaps.py``). So
 where the last two headers of a link were equal, the receiver posts micro-batch 0 at the
 round's start in the shapes of the last one. Both sides see the same headers, so both
 know when it did: the sender of a header that differs then fills those receives with
