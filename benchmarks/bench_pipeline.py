@@ -257,23 +257,36 @@ def zero_bubble_floor(timeline: Timeline) -> float | None:
     return (forward + backward - weight) / (forward + backward + weight)
 
 
-def measure(
+def launch(
     name: str, stages: int, schedule: str, rounds: int, steps: int, threads: int | None
-) -> dict:
+) -> tuple[list[dict], Timeline]:
+    """One launch of ``bench_worker``: each worker's result, and paratrain's timeline."""
     # The spec travels with the call: spawned workers re-import this module afresh.
-    spec = MODELS[name]
     with tempfile.TemporaryDirectory() as run_dir:
         results = paratrain.launch(
             bench_worker,
             devices=stages,
-            args=(name, spec, schedule, rounds, steps, run_dir),
+            args=(name, MODELS[name], schedule, rounds, steps, run_dir),
             threads_per_worker=threads,
         )
-        timeline = read_timeline(Path(run_dir) / "timeline.jsonl")
-        step, bubble = median_step(timeline)
-        span = step_profile(timeline, step, 0)[0]
-        (theory, formula), replayed = timeline.theory(), timeline_replay(timeline)
-        stepwise = stepwise_theory(timeline, hop_s=replayed.hop_s)
+        return results, read_timeline(Path(run_dir) / "timeline.jsonl")
+
+
+def runs_as_given(name: str, stages: int, schedule: str) -> bool:
+    """Whether ``name`` runs at ``stages`` under ``schedule``: a split given for some stage
+    counts (``balance``) runs at those only, one piece a stage (no virtual stages)."""
+    given = MODELS[name].get("balance")
+    return given is None or (stages in given and schedule not in CHUNKS)
+
+
+def measure(
+    name: str, stages: int, schedule: str, rounds: int, steps: int, threads: int | None
+) -> dict:
+    results, timeline = launch(name, stages, schedule, rounds, steps, threads)
+    step, bubble = median_step(timeline)
+    span = step_profile(timeline, step, 0)[0]
+    (theory, formula), replayed = timeline.theory(), timeline_replay(timeline)
+    stepwise = stepwise_theory(timeline, hop_s=replayed.hop_s)
     median = slowest_rank([r["median_s"] for r in results])
     peer = median_idle([p for r in results for p in r["torch_passes"]], stages)
     return {
@@ -358,13 +371,10 @@ def run(models, stage_counts, schedules, rounds, steps, repeats, threads=None) -
     rows = []
     for name in models:
         for stages in stage_counts:
-            given = MODELS[name].get("balance")
-            if given is not None and stages not in given:
-                continue  # a split given for other stage counts
             share = threads or thread_share(stages)
             for schedule in schedules:
-                if given is not None and schedule in CHUNKS:
-                    continue  # a given split is one piece a stage, not p x v
+                if not runs_as_given(name, stages, schedule):
+                    continue
                 runs = [
                     measure(name, stages, schedule, rounds, steps, threads) for _ in range(repeats)
                 ]

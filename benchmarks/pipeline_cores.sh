@@ -17,6 +17,7 @@ PART=${1:-2}
 OUT=${OUT:-pipeline-out}
 LANE_S=${LANE_S:-540}
 REPEATS=${REPEATS:-2}
+SHARED=${ALLOW_SHARED:-0}
 case "$PART" in  # lanes, and the cores a lane needs: its stages, the launcher, gloo's threads
   2) LANES=4 NEEDED=3 ;;
   4) LANES=2 NEEDED=6 ;;
@@ -28,7 +29,7 @@ esac
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 CORES=$(nproc --all)
 WIDTH=$((CORES / LANES))
-if [ "${ALLOW_SHARED:-0}" != 1 ] && [ "$WIDTH" -lt "$NEEDED" ]; then
+if [ "$SHARED" != 1 ] && [ "$WIDTH" -lt "$NEEDED" ]; then
   echo "pipeline_cores.sh: $CORES cores give $LANES lanes of $WIDTH; part $PART needs" \
     "$NEEDED a lane ($((LANES * NEEDED)) cores): run it on a larger machine, or set" \
     "ALLOW_SHARED=1 for a contended smoke test." >&2
@@ -40,10 +41,10 @@ lane() {  # lane INDEX NAME bench-arguments...: one pinned, bounded bench run
   local index=$1 name=$2 cores
   shift 2
   cores="$((index * WIDTH))-$((index * WIDTH + WIDTH - 1))"
-  [ "${ALLOW_SHARED:-0}" = 1 ] && cores="0-$((CORES - 1))"
+  [ "$SHARED" = 1 ] && cores="0-$((CORES - 1))"
   {
     # the bench's "contended" label sees its own affinity, not the other lanes
-    [ "${ALLOW_SHARED:-0}" = 1 ] && echo "ALLOW_SHARED=1: every lane on cores $cores, contended"
+    [ "$SHARED" = 1 ] && echo "ALLOW_SHARED=1: every lane on cores $cores, contended"
     timeout "$LANE_S" taskset -c "$cores" python3 benchmarks/bench_pipeline.py --threads 1 \
       --json "$OUT/$name.json" "$@" 2>&1
     echo "lane $name (cores $cores) rc $?"

@@ -20,29 +20,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
-from pathlib import Path
 
-from bench_pipeline import CHUNKS, MODELS, SCHEDULES, bench_worker
+from bench_pipeline import MODELS, SCHEDULES, launch, runs_as_given
 
-import paratrain
 from paratrain.parallel.pipeline.replay import PassGap, engine_gaps
-from paratrain.parallel.pipeline.timeline import measured_steps, read_timeline
-
-
-def launch_gaps(
-    name: str, schedule: str, stages: int, rounds: int, steps: int
-) -> tuple[list[PassGap], int]:
-    """One bench launch's gaps, and its measured steps."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        paratrain.launch(
-            bench_worker,
-            devices=stages,
-            args=(name, MODELS[name], schedule, rounds, steps, run_dir),
-        )
-        timeline = read_timeline(Path(run_dir) / "timeline.jsonl")
-    return engine_gaps(timeline), len(measured_steps(timeline, 0))
+from paratrain.parallel.pipeline.timeline import measured_steps
 
 
 def summary(gaps: list[PassGap], steps: int, stages: int) -> list[str]:
@@ -86,19 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    given = MODELS[args.model].get("balance")
-    if given is not None and (args.stages not in given or args.schedule in CHUNKS):
+    if not runs_as_given(args.model, args.stages, args.schedule):
+        given = sorted(MODELS[args.model]["balance"])
         parser.error(
-            f"{args.model} is a split given for {sorted(given)} stages, one piece a stage; "
+            f"{args.model} is a split given for {given} stages, one piece a stage; "
             "pick those stages and a schedule without virtual stages."
         )
     gaps, steps = [], 0
     for _ in range(args.launches):
-        found, measured = launch_gaps(
-            args.model, args.schedule, args.stages, args.rounds, args.steps
-        )
-        gaps += found
-        steps += measured
+        _, timeline = launch(args.model, args.stages, args.schedule, args.rounds, args.steps, None)
+        gaps += engine_gaps(timeline)
+        steps += len(measured_steps(timeline, 0))
     print(f"{args.model}, {args.stages} stages, {args.schedule}: {steps} measured steps")
     print("\n".join(summary(gaps, steps, args.stages)))
     return 0

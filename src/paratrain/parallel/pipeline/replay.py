@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from itertools import pairwise
 
 from paratrain.parallel.pipeline.schedules import (
     Action,
@@ -223,24 +222,39 @@ def message_time(timeline: Timeline, replica: int = 0) -> float:
     return max(statistics.median(delays), 0.0) if delays else 0.0
 
 
-def _waits(rows: list[list[StageEvent]], chunks: int, where: str) -> list[float]:
-    """One step's delays between a sender's end and a waiting receiver's start."""
+def _passes_with_inputs(
+    rows: list[list[StageEvent]], chunks: int, where: str
+) -> Iterator[tuple[int, StageEvent | None, StageEvent, list[tuple[StageEvent, bool]]]]:
+    """Each pass of one step's rows as ``(stage, previous, pass, inputs)``: its stage's
+    previous pass of the step (None for the first), and each pass it depends on with
+    whether that one was made on another device (so came by a message). Refused where a
+    pass it waits for is not in the step."""
     stages = len(rows)
     made = {(LETTER[e.kind], e.chunk * stages + e.stage, e.micro): e for row in rows for e in row}
-    delays = []
     for stage, row in enumerate(rows):
-        for previous, e in pairwise(row):
-            action = Action(LETTER[e.kind], e.micro, e.chunk)
-            for dep in dependencies(stage, action, stages, stages * chunks):
-                if dep[1] % stages == stage:
-                    continue  # made on this device: no message
+        for previous, e in zip([None, *row[:-1]], row, strict=True):
+            inputs = []
+            for dep in dependencies(
+                stage, Action(LETTER[e.kind], e.micro, e.chunk), stages, stages * chunks
+            ):
                 if dep not in made:
                     raise TimelineError(
                         f"{where} has {e.kind} {e.micro} on stage {stage} but not the pass "
                         f"it waits for, {dep}."
                     )
-                if previous.end <= made[dep].end:
-                    delays.append(e.start - made[dep].end)
+                inputs.append((made[dep], dep[1] % stages != stage))
+            yield stage, previous, e, inputs
+
+
+def _waits(rows: list[list[StageEvent]], chunks: int, where: str) -> list[float]:
+    """One step's delays between a sender's end and a waiting receiver's start."""
+    delays = []
+    for _, previous, e, inputs in _passes_with_inputs(rows, chunks, where):
+        if previous is None:
+            continue  # what the stage did before its first pass is not on the timeline
+        for sender, remote in inputs:
+            if remote and previous.end <= sender.end:
+                delays.append(e.start - sender.end)
     return delays
 
 
@@ -307,35 +321,30 @@ def engine_gaps(
     start a little before its input's pass ended (the sender stamps its end after its
     send returns), so a gap can be slightly negative."""
     schedule = _schedule_of(timeline)
-    stages = len(schedule)
-    virtual = stages * timeline.virtual_stages
     hop = message_time(timeline, replica) if hop_s is None else hop_s
     gaps = []
     for step in measured_steps(timeline, replica):
         rows = _round_events(timeline, schedule, step, replica)
-        made = {
-            (LETTER[e.kind], e.chunk * stages + e.stage, e.micro): e for row in rows for e in row
-        }
-        for stage, row in enumerate(rows):
-            for previous, event in zip([None, *row[:-1]], row, strict=True):
-                action = Action(LETTER[event.kind], event.micro, event.chunk)
-                deps = dependencies(stage, action, stages, virtual)
-                inputs = [made[d].end + (hop if d[1] % stages != stage else 0.0) for d in deps]
-                if previous is None and not inputs:
-                    continue
-                free = previous.end if previous is not None else -math.inf
-                ready = max(inputs, default=-math.inf)
-                gaps.append(
-                    PassGap(
-                        stage=stage,
-                        chunk=event.chunk,
-                        kind=action.kind,
-                        micro=event.micro,
-                        step=step,
-                        bound="input" if ready > free else "stage",
-                        seconds=event.start - max(free, ready),
-                    )
+        where = f"Step {step} of replica {replica}"
+        for stage, previous, event, inputs in _passes_with_inputs(
+            rows, timeline.virtual_stages, where
+        ):
+            arrivals = [sender.end + (hop if remote else 0.0) for sender, remote in inputs]
+            if previous is None and not arrivals:
+                continue
+            free = previous.end if previous is not None else -math.inf
+            ready = max(arrivals, default=-math.inf)
+            gaps.append(
+                PassGap(
+                    stage=stage,
+                    chunk=event.chunk,
+                    kind=LETTER[event.kind],
+                    micro=event.micro,
+                    step=step,
+                    bound="input" if ready > free else "stage",
+                    seconds=event.start - max(free, ready),
                 )
+            )
     return gaps
 
 
