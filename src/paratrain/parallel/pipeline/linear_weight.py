@@ -10,8 +10,15 @@ with the Linear ones direct; on its mlp 4.15 against 3.72 (docs/benchmarks.md).
 Exact: the same products of the same tensors as autograd's W of that unit. The weight's
 gradient is the one ``mm`` that ``addmm``'s backward makes for it (``grad_out^T`` times
 the input's rows; equal bit for bit on contiguous 2-D and 3-D inputs,
-``test_linear_weight``) and the bias's the same sum over rows; each is added into
-``.grad`` as autograd's accumulation does (set where empty, added in place otherwise).
+``test_linear_weight``) and the bias's the same sum over rows; each goes into ``.grad``
+as autograd's accumulation does where it is empty. Where ``.grad`` already holds a
+gradient (every micro-batch of a step but the first), the weight's product is added
+inside the matrix product (``addmm_``), not after it: autograd's accumulation reads and
+writes the whole weight-sized gradient once more, 0.34 ms of a W's 0.89 for a 1024 x 1024
+weight of 32 rows here (the product alone 0.54 ms, accumulated inside it 0.55). The same
+products and sums, the held gradient added in the kernel's order: bit for bit equal at
+up to 32 rows on this machine's kernels, within one rounding (8e-8 relative) at 512;
+the parity tolerance holds it. The bias's row sum is added in place.
 Taken only where nothing else could act between the module and its gradients: the module
 is exactly ``nn.Linear`` with its class's forward (no subclass or forward set on the
 instance, which may compute otherwise; no parametrization, which makes a subclass), it
@@ -118,8 +125,24 @@ def linear_weight(
     with torch.no_grad():
         rows = grad.reshape(-1, grad.shape[-1])
         for param in reached:
-            if param is module.weight:
-                _accumulate(param, rows.t().mm(x.reshape(-1, x.shape[-1])))
-            else:  # the bias
+            if param is not module.weight:  # the bias
                 _accumulate(param, rows.sum(0))
+            elif _accumulates_in_place(param.grad, rows):
+                param.grad.addmm_(rows.t(), x.reshape(-1, x.shape[-1]))
+            else:
+                _accumulate(param, rows.t().mm(x.reshape(-1, x.shape[-1])))
     return True
+
+
+def _accumulates_in_place(held: torch.Tensor | None, rows: torch.Tensor) -> bool:
+    """Whether the weight's product may be added inside the matrix product: a gradient is
+    held, dense, contiguous (as autograd and the direct W leave it; one a user set in
+    another layout is added after the product, as autograd adds) and of the product's
+    dtype and device."""
+    return (
+        held is not None
+        and held.layout == torch.strided
+        and held.is_contiguous()
+        and held.dtype == rows.dtype
+        and held.device == rows.device
+    )
