@@ -127,22 +127,18 @@ def linear_weight(
         for param in reached:
             if param is not module.weight:  # the bias
                 _accumulate(param, rows.sum(0))
-            elif _accumulates_in_place(param.grad, rows):
-                param.grad.addmm_(rows.t(), x.reshape(-1, x.shape[-1]))
+                continue
+            x_rows = x.reshape(-1, x.shape[-1])
+            if _accumulates_in_place(param.grad):
+                param.grad.addmm_(rows.t(), x_rows)
             else:
-                _accumulate(param, rows.t().mm(x.reshape(-1, x.shape[-1])))
+                _accumulate(param, rows.t().mm(x_rows))
     return True
 
 
-def _accumulates_in_place(held: torch.Tensor | None, rows: torch.Tensor) -> bool:
+def _accumulates_in_place(held: torch.Tensor | None) -> bool:
     """Whether the weight's product may be added inside the matrix product: a gradient is
-    held, dense, contiguous (as autograd and the direct W leave it; one a user set in
-    another layout is added after the product, as autograd adds) and of the product's
-    dtype and device."""
-    return (
-        held is not None
-        and held.layout == torch.strided
-        and held.is_contiguous()
-        and held.dtype == rows.dtype
-        and held.device == rows.device
-    )
+    held, dense and contiguous (as autograd and the direct W leave it; one a user set in
+    another layout is added after the product, as autograd adds). Its dtype and device
+    are the weight's, and so the product's: torch refuses a ``.grad`` of any other."""
+    return held is not None and held.layout == torch.strided and held.is_contiguous()
