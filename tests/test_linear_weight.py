@@ -133,10 +133,11 @@ class _MyLinear(nn.Linear):
 
 
 def _recorded_direct(module: nn.Module, *args: torch.Tensor, **kwargs) -> LinearCall | None:
-    """What the round's hook records as ``module``'s direct input on one call."""
+    """What the round's hook records as ``module``'s direct input on one call (its units
+    made inside the round, as the tape makes them, the hook still on)."""
     with ChunkOwners.of_layers(nn.Sequential(module)) as owners:
         _, recorder = owners.record(owners.owners, module, *args, **kwargs)
-    return recorder.units[module].direct
+        return recorder.units[module].direct
 
 
 def test_only_a_plain_linear_called_on_its_input_alone_and_unhooked_is_taken_directly():

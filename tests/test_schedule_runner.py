@@ -55,6 +55,9 @@ class _Passes:
     def after_last(self) -> None:
         self.calls.append(("after last",))
 
+    def after_last_input(self) -> None:
+        self.calls.append(("after last B",))
+
 
 def _run(schedule, stage: int, *, final: bool, chunks: int = 1) -> tuple[list, list]:
     calls: list = []
@@ -104,6 +107,13 @@ def test_a_split_backward_marks_its_last_w_and_follows_it_outside_the_timed_pass
     after = calls.index(("after last",))
     assert calls[after - 1] == ("book",) and calls[after - 2][0] == "W"
     assert len(events) == len(schedule[stage])
+    # the last B is followed (outside its timed pass) by what needs only the forwards
+    # (the last stage's loss leaves there), once, and only in the step's final round
+    after_input = calls.index(("after last B",))
+    last_b = max(i for i, c in enumerate(calls) if c[0] == "B")
+    assert after_input == last_b + 2 and calls[last_b + 1] == ("book",)
+    assert calls.count(("after last B",)) == 1
+    assert ("after last B",) not in _run(schedule, stage, final=False)[0]
 
 
 def test_a_new_schedule_is_data_the_runner_executes_unchanged():

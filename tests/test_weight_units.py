@@ -135,10 +135,50 @@ class _Scaled(nn.Module):
         return torch.relu(self.linear(x * self.scale))
 
 
+class _Shift(nn.Module):
+    """Adds a Parameter of its own: its backward saves nothing of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
+
+
+class _ChangesInputAfter(nn.Module):
+    """Changes a module's input in place after the module's call. The call's units are
+    made once the forward is done, so that input then names the in-place op's node: the
+    proof's walk goes on past the call's input, meets the in-place op's use of it, and
+    fails (the whole W), where it could have proved the unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shifted = _Shift()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 3
+        y = self.shifted(h)
+        h.mul_(2)
+        return y * h
+
+
 @pytest.mark.parametrize(
     ("layer", "per_unit"),
-    [(_TiedHead, False), (_Twice, False), (_UsesLeak, False), (_Scaled, True)],
-    ids=["weight-used-outside-its-module", "module-called-twice", "inner-value-leaks", "nested"],
+    [
+        (_TiedHead, False),
+        (_Twice, False),
+        (_UsesLeak, False),
+        (_Scaled, True),
+        (_ChangesInputAfter, False),
+    ],
+    ids=[
+        "weight-used-outside-its-module",
+        "module-called-twice",
+        "inner-value-leaks",
+        "nested",
+        "input-changed-in-place-after-the-call",
+    ],
 )
 def test_a_layer_w_takes_unit_by_unit_only_where_the_graph_proves_it_exact(layer, per_unit):
     torch.manual_seed(0)
@@ -240,3 +280,51 @@ def test_the_proof_pauses_the_cyclic_collector_and_restores_it():
             assert gc.isenabled() is enabled
         finally:
             gc.enable()
+
+
+class _KeepsInner(nn.Module):
+    """Owns its weight and keeps the value under its activation, which the layer above
+    returns as an output of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pre = x @ self.weight
+        return torch.tanh(self.pre)
+
+
+class _ReturnsInner(nn.Module):
+    """Its outputs: the module's and the module's inner value. The inner value is a
+    root of the graph inside the unit: nothing consumes it there, yet the gradient it
+    receives reaches the weight without passing the unit's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _KeepsInner()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(x), self.inner.pre
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["cut", "uncut"])
+def test_a_layer_output_inside_a_unit_fails_the_proof_and_w_stays_exact(whole):
+    """The layer's outputs are the graph's roots: one taken inside a unit (not at a slot
+    the module returned) is a use outside the module, as a consumer there would be. A
+    proof that counted consumers only accepted it, and W unit by unit lost that output's
+    share of the weight's gradient."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), _ReturnsInner())
+    x = torch.randn(5, 8)
+    upstream = [torch.randn(5, 8), torch.randn(5, 8)]
+    x1 = x.clone().requires_grad_(True)
+    torch.autograd.backward(list(layers(x1)), upstream)
+    reference = [x1.grad, *[p.grad.clone() for p in layers.parameters()]]
+    layers.zero_grad(set_to_none=True)
+    tape = LayerTape(whole=whole)
+    tape.run(layers, (x.clone().requires_grad_(True),), {})
+    assert tape.layers[-1].units is None
+    (input_grad,) = tape.backward_input(upstream)
+    tape.backward_weight()
+    _assert_same(reference, [input_grad, *[p.grad for p in layers.parameters()]])

@@ -601,7 +601,10 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         passes = _RoundPasses(self, micro_in, micro_tgt, scale)
         with ExitStack() as hooked:
             if self.split_backward:
-                passes.owners = [hooked.enter_context(self._owners(c)) for c in self.chunks]
+                passes.owners = [self._owners(c) for c in self.chunks]
+                for chunk, owners in zip(self.chunks, passes.owners, strict=True):
+                    if not chunk.first:  # fed data: its W is one whole backward, unrecorded
+                        hooked.enter_context(owners)
             step = self.steps_taken + 1
             self.runner.run_round(passes, micro_batches=micro, step=step, final=final)
 
@@ -695,17 +698,32 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         return start
 
     def _after_last_weight(self) -> None:
-        """After the step's last W of a split backward: pass the step's loss towards stage
-        0 and arm the replicas' reduction, now that every gradient exists (each layer's W
-        is a backward of its own, so a Parameter used by two layers would count down its
-        bucket twice while armed). After the W, not before it: the loss comes from the
-        next stage's own last W, and waiting for it first held this stage's last W back
-        by up to a W (on a 2-stage gpt under ZB-H1, 15 ms of a 450 ms step)."""
+        """After the step's last W of a split backward: take the step's loss from the next
+        stage and pass it towards stage 0 (the last stage sent it at its last B,
+        ``_after_last_input``), and arm the replicas' reduction, now that every gradient
+        exists (each layer's W is a backward of its own, so a Parameter used by two
+        layers would count down its bucket twice while armed). After the W, not before
+        it: waiting for the loss first held this stage's last W back by up to a W (on a
+        2-stage gpt under ZB-H1, 15 ms of a 450 ms step, when the loss left the last
+        stage after its own last W)."""
         if not self.split_backward:
             return  # a backward that is not split passed the loss and armed at its start
-        self._step_loss = self._pass_loss_back(self._totals.contribution)
+        if self._step_loss is None:  # the last stage's left at its last B
+            self._step_loss = self._pass_loss_back(self._totals.contribution)
         if self.reducer is not None:
             self.reducer.arm(extras=self._step_loss)
+
+    def _after_last_input(self) -> None:
+        """After the step's last B of a split backward: the last stage hands the step's
+        loss back now, all its forwards having run, and not after the W passes that
+        follow. The stage before receives it after its own last W, as before; sent after
+        this stage's last W, it kept that stage waiting whenever this stage's W passes
+        ended later (on a 2-stage ZB-H2 the last stage runs two W after its last B, the
+        first stage one longer W: the first stage's step ended 3.4-4.2 ms after its last
+        pass, 1.9 ms now, torch's 2.3-2.6; the last stage waits that long again for the
+        next step's first forward)."""
+        if self.mesh.is_last:
+            self._step_loss = self._pass_loss_back(self._totals.contribution)
 
     def _clip(self) -> None:
         """Clip by the norm over every stage (every worker takes part, a stage without
@@ -802,7 +820,8 @@ class _RoundPasses:
         self.engine, self.micro_in, self.micro_tgt, self.scale = engine, micro_in, micro_tgt, scale
         self.held: dict[tuple[int, int], tuple[Any, Any, LayerTape | None]] = {}
         self.owners: list[ChunkOwners] | None = None
-        """Each chunk's parameter owners, hooked for the round (a split backward's)."""
+        """Each chunk's parameter owners for the round (a split backward's), hooked but for a
+        chunk fed data, whose W is one whole backward and records nothing."""
 
     def forward(self, micro: int, chunk: int) -> float:
         return self.engine._forward(
@@ -817,3 +836,6 @@ class _RoundPasses:
 
     def after_last(self) -> None:
         self.engine._after_last_weight()
+
+    def after_last_input(self) -> None:
+        self.engine._after_last_input()

@@ -34,7 +34,7 @@ refuses). Any other unit keeps autograd's W.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.modules.module as module_hooks
@@ -70,18 +70,29 @@ class LinearCall:
 
     x: torch.Tensor
     out: torch.Tensor
-    versions: tuple[int, int] = field(init=False)
+    versions: tuple[int, int] | None = None
+    """``x``'s and ``out``'s versions when the call returned (the round's hook reads them
+    then); None: their versions now."""
 
     def __post_init__(self) -> None:
-        self.versions = (self.x._version, self.out._version)
+        if self.versions is None:
+            self.versions = (self.x._version, self.out._version)
 
     def unchanged(self) -> bool:
         return (self.x._version, self.out._version) == self.versions
 
 
-def linear_call(module: nn.Module, args: tuple, outputs: list[torch.Tensor]) -> LinearCall | None:
+def linear_call(
+    module: nn.Module,
+    args: tuple,
+    outputs: list[torch.Tensor],
+    versions: tuple[int, int] | None = None,
+) -> LinearCall | None:
     """This call of ``module`` if its W may be taken directly (see the module docstring),
-    else None. ``outputs``: the call's graph-carrying outputs."""
+    else None. ``outputs``: the call's graph-carrying outputs; ``versions``: its input's
+    and output's when it returned (``LinearCall``). Asked once the forward is done
+    (``weight_units.UnitRecorder``): the module's class, forward and hooks as they are
+    then, which a forward does not change."""
     if type(module) is not nn.Linear or "forward" in vars(module):  # its own forward only
         return None
     if len(args) != 1 or len(outputs) != 1:
@@ -93,7 +104,7 @@ def linear_call(module: nn.Module, args: tuple, outputs: list[torch.Tensor]) -> 
         return None
     if not x.dtype == out.dtype == weight.dtype:
         return None
-    return None if _hooked(module) else LinearCall(x, out)
+    return None if _hooked(module) else LinearCall(x, out, versions)
 
 
 def _plain(param: nn.Parameter) -> bool:

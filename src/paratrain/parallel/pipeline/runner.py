@@ -13,7 +13,8 @@ step's loss and arms the replicas' gradient reduction. A zero-bubble schedule sp
 backward: ``B`` then computes the input's gradient only and ``W`` the weights'; the
 step's last gradient is then a W's, so the last W is the one marked ``last`` (and what
 must follow it, the loss handed back and the replicas' reduction, runs in
-``after_last``, outside its timed pass). An
+``after_last``, outside its timed pass; what needs only the step's forwards, the last
+stage's loss leaving, runs after the last B, in ``after_last_input``). An
 interleaved schedule gives a worker several chunks (virtual stages); each action names
 its chunk, and each chunk has its own link, the last chunk's carrying the step's loss
 back towards stage 0.
@@ -52,6 +53,12 @@ class StagePasses(Protocol):
         what needs that pass done but must not delay it (a split backward's loss hand-
         back, which waits on the next stage, and the replicas' reduction)."""
 
+    def after_last_input(self) -> None:
+        """After the step's last B of a split backward, once its event is recorded: every
+        forward of the step has run by then (a micro-batch's B follows its F), so what
+        needs only the forwards (the last stage's loss) may leave before the W passes
+        that follow."""
+
 
 class ScheduleRunner:
     """One stage's part of a schedule, run once per round of micro-batches."""
@@ -83,6 +90,9 @@ class ScheduleRunner:
         self.final_backward = backwards[-1]
         """The position of the stage's last pass that makes gradients (B, or W where the
         backward is split): the one that ends its round."""
+        inputs = [i for i, a in enumerate(self.actions) if a.kind == "B"] if ends == "W" else []
+        self.final_input = inputs[-1] if inputs else None
+        """Where the backward is split, the position of the stage's last B."""
         self.links, self.memory, self.events = links, memory, events
 
     def run_round(self, passes: StagePasses, *, micro_batches: int, step: int, final: bool) -> None:
@@ -111,5 +121,7 @@ class ScheduleRunner:
             self.memory.book_communication()
             if last:
                 passes.after_last()
+            elif final and position == self.final_input:
+                passes.after_last_input()
         for link in self.links:
             link.flush()

@@ -13,13 +13,15 @@ unit from those outputs to its own parameters, which for a Linear is the one pro
 Exact only if every path from a parameter to the layer's outputs passes through its
 unit's outputs (otherwise W would miss a share: a weight also used by code outside its
 module, as in a head tied by ``F.linear(x, embedding.weight)``, or a module that leaks an
-inner value). ``units_of`` proves this on the graph the forward built, each micro-batch:
-from each unit's outputs downwards to its inputs it collects the unit's nodes, and
-accepts the unit only if no node but its outputs is consumed outside them and those
-outputs are consumed only at the slots the module returned. A piece (an uncut chunk, or
-one layer of a cut one) any of whose parameters is not proved so takes its W whole, from
-its output (``split_backward.LayerTape``). The proof costs one walk of the piece's graph
-(about 0.2 ms a gpt block of 42 nodes on a fresh graph, whose node wrappers it creates).
+inner value, or a layer that returns a value from inside a module). ``units_of`` proves
+this on the graph the forward built, each micro-batch: from each unit's outputs downwards
+to its inputs it collects the unit's nodes, and accepts the unit only if every use of
+those nodes from outside them (another node's edge, or one of the layer's outputs, where
+a gradient enters the graph as it does through an edge) takes an output slot the module
+returned. A piece (an uncut chunk, or one layer of a cut one) any of whose parameters is
+not proved so takes its W whole, from its output (``split_backward.LayerTape``). The
+proof costs one walk of the piece's graph (about 0.2 ms a gpt block of 42 nodes on a
+fresh graph, whose node wrappers it creates).
 A plain ``nn.Linear``'s W skips autograd altogether (``linear_weight``): the same product
 and sum, made directly from the input its call recorded.
 """
@@ -45,6 +47,10 @@ def graph_tensors(value: Any) -> list[torch.Tensor]:
     Tensors inside objects it does not know (a key-value cache) are not seen; a unit
     whose outputs hide one then fails the proof (its inner nodes are consumed outside)
     and its layer keeps the whole-layer W, so a miss costs speed, never exactness."""
+    if type(value) is tuple and len(value) == 1:  # a module's one argument: the usual call
+        value = value[0]
+    if type(value) is torch.Tensor:
+        return [value] if value.requires_grad and value.is_floating_point() else []
     return [t for t in tensors_in(value) if t.requires_grad and t.is_floating_point()]
 
 
@@ -54,7 +60,7 @@ def _node(tensor: torch.Tensor) -> Any:
     return tensor.grad_fn if tensor.grad_fn is not None else get_gradient_edge(tensor).node
 
 
-@dataclass
+@dataclass(slots=True)
 class Unit:
     """One call of a module that owns parameters directly, as the forward recorded it."""
 
@@ -121,21 +127,61 @@ def param_owners(
 
 
 class UnitRecorder:
-    """One forward's calls of the given modules, as ``UnitHooks`` reports them."""
+    """One forward's calls of the given modules, as ``UnitHooks`` reports them.
+
+    The hook only keeps each call as it came (the module, its arguments and output, and
+    the versions a direct W checks later); the calls become units once the forward is
+    done (``units``). Why: Python run between a forward's matrix products finds its code
+    and data out of the caches, so the same checks made 26 times in a row after the
+    forward cost a fraction of what they cost one per call inside it (on the bench's
+    2-stage gpt last stage, one thread: the recorded forward 0.47 ms longer than the
+    hooked one with the checks in the hook; see docs/benchmarks.md)."""
 
     def __init__(self, owners: dict[nn.Module, list[nn.Parameter]]) -> None:
-        self.units = {module: Unit(module, params) for module, params in owners.items()}
+        self.owners = owners
+        self.calls: list[tuple[nn.Module, Any, Any, tuple[int, int] | None]] = []
+        self._units: dict[nn.Module, Unit] | None = None
 
     def record(self, module: nn.Module, args: Any, output: Any) -> None:
-        unit = self.units.get(module)
-        if unit is None:  # an owner of another layer of the chunk, or of none being taped
-            return
-        unit.calls += 1
-        inputs = graph_tensors(args)
-        unit.inputs = [_node(t) for t in inputs]
-        passed = {id(t) for t in inputs}
-        unit.outputs = [t for t in graph_tensors(output) if id(t) not in passed]
-        unit.direct = linear_call(module, args, unit.outputs)
+        self.calls.append((module, args, output, call_versions(args, output)))
+
+    @property
+    def units(self) -> dict[nn.Module, Unit]:
+        """Every owner's unit: its calls counted, its last call's inputs and outputs."""
+        if self._units is None:
+            self._units = {module: Unit(module, params) for module, params in self.owners.items()}
+            for module, args, output, versions in self.calls:
+                unit = self._units.get(module)
+                if unit is not None:  # an owner of another layer of the chunk is not taped
+                    _note_call(unit, args, output, versions)
+            self.calls = []
+        return self._units
+
+
+def call_versions(args: Any, output: Any) -> tuple[int, int] | None:
+    """The versions of a call's one tensor input and its tensor output when it returned:
+    all a direct W needs to see an in-place change made after the call (None where the
+    call is not one input and one output tensor, which no direct W takes)."""
+    if type(output) is torch.Tensor and type(args) is tuple and len(args) == 1:
+        x = args[0]
+        if type(x) is torch.Tensor:
+            return x._version, output._version
+    return None
+
+
+def _note_call(unit: Unit, args: Any, output: Any, versions: tuple[int, int] | None) -> None:
+    """One recorded call on its unit, once the forward is done. The inputs' nodes are read
+    then: an input changed in place after the call names a node above the call's, and the
+    proof's walk from the unit's outputs then goes on past the call's input into nodes
+    that other code uses, which fails it (the whole W, exact)."""
+    unit.calls += 1
+    inputs = graph_tensors(args)
+    unit.inputs = [_node(t) for t in inputs]
+    passed = {id(t) for t in inputs}
+    unit.outputs = [t for t in graph_tensors(output) if id(t) not in passed]
+    unit.direct = None
+    if versions is not None:  # one tensor in, one out: perhaps a Linear's direct W
+        unit.direct = linear_call(unit.module, args, unit.outputs, versions)
 
 
 class UnitHooks:
@@ -187,7 +233,7 @@ def units_of(recorder: UnitRecorder, layer_outputs: list[torch.Tensor]) -> list[
 
 
 def _proved_units(recorder: UnitRecorder, layer_outputs: list[torch.Tensor]) -> list[Unit] | None:
-    graph = _Graph([_node(t) for t in layer_outputs])
+    graph = _Graph([_edge(t) for t in layer_outputs])
     units = list(recorder.units.values())
     for unit in units:
         unit.reached = [p for p in unit.params if id(p) in graph.accumulators]
@@ -199,27 +245,47 @@ def _proved_units(recorder: UnitRecorder, layer_outputs: list[torch.Tensor]) -> 
     return [unit for unit in units if unit.calls == 1 and unit.outputs]
 
 
+def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
+    """Where a tensor's gradient enters the graph: its node and the node's output slot, as
+    a consumer's ``next_functions`` names it."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn, tensor.output_nr
+    return get_gradient_edge(tensor).node, 0
+
+
 class _Graph:
     """The graph under some roots, walked once: each node's edges below (``next_functions``
-    builds its tuples anew on each read), the nodes that take each node's output (one entry
-    per edge), and the leaves' gradient accumulators by their tensor's id."""
+    builds its tuples anew on each read), how many edges take each node's output in all
+    and at each of its slots, and the leaves' gradient accumulators by their tensor's id.
+    The roots (the layer's outputs) count as uses too: a gradient arrives there from above
+    as it does through a consumer's edge, so a layer output taken inside a unit is a use of
+    that value outside the unit."""
 
-    def __init__(self, roots: list[Any]) -> None:
+    def __init__(self, roots: list[tuple[Any, int]]) -> None:
         self.below: dict[Any, tuple] = {}
-        self.consumers: dict[Any, list[Any]] = {}
-        stack = list(roots)
+        self.uses: dict[Any, int] = {}
+        self.slot_uses: dict[tuple[Any, int], int] = {}
+        uses, slot_uses, below = self.uses, self.slot_uses, self.below
+        for root in roots:
+            uses[root[0]] = uses.get(root[0], 0) + 1
+            slot_uses[root] = slot_uses.get(root, 0) + 1
+        stack = [node for node, _ in roots]
         while stack:
             node = stack.pop()
-            if node in self.below:
+            if node in below:
                 continue
             edges = node.next_functions
-            self.below[node] = edges
-            for under, _ in edges:
+            below[node] = edges
+            for edge in edges:
+                under = edge[0]
                 if under is not None:
-                    self.consumers.setdefault(under, []).append(node)
+                    uses[under] = uses.get(under, 0) + 1
+                    slot_uses[edge] = slot_uses.get(edge, 0) + 1
                     stack.append(under)
         self.accumulators = {}
-        for node in self.below:
+        for node, edges in below.items():
+            if edges:
+                continue  # a leaf's accumulator has no edges below (and only it a variable)
             variable = getattr(node, "variable", None)
             if variable is not None:
                 self.accumulators[id(variable)] = node
@@ -227,7 +293,10 @@ class _Graph:
 
 def _private(unit: Unit, own: set[Any], graph: _Graph) -> bool:
     """Whether every path from the unit's parameters (``own``: their accumulators) up to
-    the layer's outputs leaves the unit through an output slot the module returned."""
+    the layer's outputs leaves the unit through an output slot the module returned: every
+    use of a unit's node from outside it (an edge from a node not in the unit, or a layer
+    output) takes a slot the module returned, counted as the graph's uses less the unit's
+    own edges."""
     slots: dict[Any, set[int]] = {}
     for tensor in unit.outputs:
         slots.setdefault(_node(tensor), set()).add(tensor.output_nr)
@@ -241,17 +310,31 @@ def _private(unit: Unit, own: set[Any], graph: _Graph) -> bool:
         if not edges and node not in own:
             continue  # another leaf: an input passed in some other way, or a foreign weight
         nodes.add(node)
-        stack.extend(below for below, _ in edges if below is not None)
+        for edge in edges:
+            if edge[0] is not None:
+                stack.append(edge[0])
     if not own <= nodes:
         return False  # a parameter used in the layer, but not on the way to the outputs
+    inside: dict[Any, int] = {}
+    inside_slots: dict[tuple[Any, int], int] = {}
     for node in nodes:
-        outside = [c for c in graph.consumers.get(node, ()) if c not in nodes]
-        if outside and node not in slots:
+        for edge in graph.below.get(node, ()):
+            if edge[0] in nodes:
+                inside[edge[0]] = inside.get(edge[0], 0) + 1
+                inside_slots[edge] = inside_slots.get(edge, 0) + 1
+    for node in nodes:
+        outside = graph.uses.get(node, 0) - inside.get(node, 0)
+        if not outside:
+            continue
+        returned = slots.get(node)
+        if returned is None:
             return False  # an inner value (or a parameter) is used outside the module
-        for consumer in outside:
-            taken = {slot for below, slot in graph.below[consumer] if below is node}
-            if not taken <= slots[node]:
-                return False  # a slot of the output node the module did not return
+        at_returned = sum(
+            graph.slot_uses.get((node, slot), 0) - inside_slots.get((node, slot), 0)
+            for slot in returned
+        )
+        if at_returned != outside:
+            return False  # a slot of the output node the module did not return
     unit.nodes = nodes
     return True
 
