@@ -719,8 +719,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         follow. The stage before receives it after its own last W, as before; sent after
         this stage's last W, it kept that stage waiting whenever this stage's W passes
         ended later (on a 2-stage ZB-H2 the last stage runs two W after its last B, the
-        first stage one longer W: the first stage's step ended 3.4-4.2 ms after its last
-        pass, 1.9 ms now, torch's 2.3-2.6; the last stage waits that long again for the
+        first stage one longer W: the first stage's step ended 3.3-4.2 ms after its last
+        pass, 1.9 ms now, torch's 2.2-2.6; the last stage waits that long again for the
         next step's first forward)."""
         if self.mesh.is_last:
             self._step_loss = self._pass_loss_back(self._totals.contribution)
