@@ -86,7 +86,7 @@ def linear_call(
     module: nn.Module,
     args: tuple,
     outputs: list[torch.Tensor],
-    versions: tuple[int, int] | None = None,
+    versions: tuple[int, int],
 ) -> LinearCall | None:
     """This call of ``module`` if its W may be taken directly (see the module docstring),
     else None. ``outputs``: the call's graph-carrying outputs; ``versions``: its input's

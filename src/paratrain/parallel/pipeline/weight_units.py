@@ -247,10 +247,10 @@ def _proved_units(recorder: UnitRecorder, layer_outputs: list[torch.Tensor]) -> 
 
 def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
     """Where a tensor's gradient enters the graph: its node and the node's output slot, as
-    a consumer's ``next_functions`` names it."""
-    if tensor.grad_fn is not None:
-        return tensor.grad_fn, tensor.output_nr
-    return get_gradient_edge(tensor).node, 0
+    a consumer's ``next_functions`` names it (torch's ``GradientEdge`` carries a third
+    field, so it is no such pair itself)."""
+    edge = get_gradient_edge(tensor)
+    return edge.node, edge.output_nr
 
 
 class _Graph:
