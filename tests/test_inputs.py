@@ -73,11 +73,15 @@ def test_every_replica_engine_takes_tuples_and_dicts():
 @pytest.mark.slow
 def test_pipeline_carries_a_dict_and_a_tuple_between_stages():
     """Stage boundaries after a layer returning a dict (a float tensor, an int tensor and a
-    string) and after one returning a tuple; 3 stages, with and without recompute."""
+    string) and after one returning a tuple; 3 stages, with and without recompute, and
+    under the zero-bubble schedules (whose W the stages fed by another take from the
+    units' outputs, proved on a graph entered through a dict and a tuple)."""
     reference, reference_losses = plain_loop("structured")
     runs = [
         ("pipeline", "structured", {"stages": 3, "micro_batches": 2}),
         ("pipeline", "structured", {"stages": 3, "micro_batches": 4, "recompute": True}),
+        ("pipeline", "structured", {"stages": 3, "micro_batches": 4, "schedule": "zb-h1"}),
+        ("pipeline", "structured", {"stages": 3, "micro_batches": 4, "schedule": "zb-h2"}),
     ]
     results = paratrain.launch(input_workers.train_all, devices=3, args=(runs,))
     for state, losses in results[0]:

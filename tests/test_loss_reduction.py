@@ -135,11 +135,16 @@ def test_single_with_accumulation_is_exact(references, optimizer, accumulation):
 
 @pytest.mark.slow
 def test_pipeline_micro_batches_and_replicas_are_exact(references):
-    """One replica: 4 micro-batches backpropagated in order, as the 4-part loop; 2 replicas
-    x 2 stages with SGD against the unsplit loop."""
+    """One replica: 4 micro-batches backpropagated in order, as the 4-part loop, under
+    1F1B, interleaved, ZB-H1 and ZB-H2 (whose W passes take the micro-batches in order
+    too); GPipe with 2 accumulated; 2 replicas x 2 stages with SGD against the unsplit
+    loop."""
     single_replica = [
         ("pipeline", "adam", 1, {"stages": 2, "micro_batches": 4}),
         ("pipeline", "sgd", 2, {"stages": 2, "micro_batches": 2, "schedule": "gpipe"}),
+        ("pipeline", "adam", 1, {"stages": 2, "micro_batches": 4, "virtual_stages": 2}),
+        ("pipeline", "adam", 1, {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"}),
+        ("pipeline", "sgd", 1, {"stages": 2, "micro_batches": 4, "schedule": "zb-h2"}),
     ]
     results = paratrain.launch(loss_workers.train_all, devices=2, args=(single_replica,))
     for run, result in zip(single_replica, results[0], strict=True):

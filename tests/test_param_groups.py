@@ -40,6 +40,8 @@ def test_dp_pipeline_ps_and_zero_group_by_name():
     runs = [
         ("dp", {}),
         ("pipeline", {"stages": 2, "micro_batches": 2}),
+        ("pipeline", {"stages": 2, "micro_batches": 2, "virtual_stages": 2}),
+        ("pipeline", {"stages": 2, "micro_batches": 4, "schedule": "zb-h1"}),
         ("ps", {}),
         ("zero1", {}),
         ("zero3", {}),

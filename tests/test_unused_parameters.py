@@ -25,6 +25,7 @@ import paratrain
 from paratrain.checkpoints.format import Checkpoint
 from paratrain.models import loss_for
 from tests import workers, zero_workers
+from tests.schedule_memory_workers import SCHEDULES
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "sgd_damped")
@@ -36,13 +37,13 @@ def references() -> dict:
     return {case: workers.train_with("single", *case) for case in CASES}
 
 
-def plain_loop(optimizer: str) -> tuple[dict, list[list[str]]]:
+def plain_loop(optimizer: str, kind: str = "branchy") -> tuple[dict, list[list[str]]]:
     """The plain PyTorch loop; also which parameters had no gradient at each step."""
-    model = workers.parity_model("branchy")
+    model = workers.parity_model(kind)
     opt = workers.parity_optimizer(optimizer)(model.parameters())
     loss_fn = loss_for("mlp")
     without_grad = []
-    for x, y in workers.parity_batches("branchy"):
+    for x, y in workers.parity_batches(kind):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         without_grad.append([n for n, p in model.named_parameters() if p.grad is None])
@@ -144,3 +145,58 @@ def test_checkpoints_keep_each_parameters_own_history(tmp_path, optimizer, refer
     if optimizer == "adam":  # the branch sat out steps 0, 2, 5, 7 of the first 8
         assert float(saved.tensor("optim", "body.branch.weight/step")) == 4.0
         assert float(saved.tensor("optim", "body.main.weight/step")) == 8.0
+
+
+# ---- the pipeline: every schedule on the same gate as a layer list -----------------------
+
+LAYER_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def test_the_layer_list_leaves_parameters_unused_as_intended():
+    """Guards the pipeline test below: ``branchy_layers`` (PositiveScale, GatedBlock,
+    WithNever, Linear) has steps where the gated branch is unused by the whole batch, steps
+    where some micro-batches take it and others do not, and a parameter never used; the
+    test's balances put both behind the first stage, fed data (whose W is one backward)."""
+    _, without_grad = plain_loop("sgd", "branchy_layers")
+    branch = {"1.branch.weight", "1.branch.bias"}
+    for step, missing in enumerate(without_grad):
+        assert "2.never" in missing and "1.main.weight" not in missing
+        assert (branch <= set(missing)) == (not workers.BRANCH_SAMPLES[step])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [2, 4])
+def test_every_pipeline_schedule_equals_the_plain_loop(devices):
+    """Each schedule at 2 stages (at 4 workers, 2 replicas of them, and ZB-H2 at 4 stages),
+    4 micro-batches, the gate and the unused parameter on stages fed by another, against
+    the plain loop. A micro-batch that does not take the branch
+    leaves its module uncalled (under the zero-bubble schedules, a unit with no call);
+    a step none of whose micro-batches (or, with replicas, none of whose replicas) take it
+    must leave the branch's ``.grad`` None, as the plain loop does, so that the optimizer
+    skips it: a zero gradient instead moves Adam's and AdamW's parameters (percent-sized,
+    see the module docstring). Tolerance: the suite's, as above (the micro-batches' sums
+    in the pipeline's order against one backward over the batch)."""
+    runs = [
+        (name, optimizer, {"stages": 2, "micro_batches": 4, "balance": balance, **options})
+        for name, options in SCHEDULES.items()
+        for optimizer in LAYER_OPTIMIZERS
+        for balance in ([1, 1, 1, 1] if "virtual_stages" in options else [1, 3],)
+    ]
+    if devices == 4:
+        four = {"stages": 4, "micro_batches": 4, "schedule": "zb-h2", "balance": [1, 1, 1, 1]}
+        runs += [("zb-h2, 4 stages", optimizer, four) for optimizer in LAYER_OPTIMIZERS]
+    cases = [("branchy_layers", optimizer, 1) for _, optimizer, _ in runs]
+    results = paratrain.launch(
+        workers.pipeline_parity_worker, devices=devices, args=(cases, [o for *_, o in runs])
+    )
+    plain = {name: plain_loop(name, "branchy_layers")[0] for name in LAYER_OPTIMIZERS}
+    single = {
+        name: workers.train_with("single", "branchy_layers", name, 1)[1]
+        for name in LAYER_OPTIMIZERS
+    }
+    for (name, optimizer, _), (state, losses) in zip(runs, results[0], strict=True):
+        label = f"{name} {optimizer} at {devices} workers"
+        error = relative_error(state, plain[optimizer])
+        assert error <= TOLERANCE, f"{label}: relative error {error:.2e}"
+        assert losses == pytest.approx(single[optimizer], rel=TOLERANCE), label
+        assert torch.equal(state["2.never"], torch.ones(3)), label

@@ -77,6 +77,10 @@ def parity_model(kind: str):
         return model
     if kind == "branchy":
         return Branchy()
+    if kind == "branchy_layers":  # the same gate as a layer list, for the pipeline
+        return torch.nn.Sequential(
+            PositiveScale(), GatedBlock(), WithNever(), torch.nn.Linear(24, 5)
+        )
     if kind == "late":
         return LateParameter()
     raise ValueError(kind)
@@ -147,6 +151,32 @@ class Branchy(torch.nn.Module):
         return out
 
 
+class PositiveScale(torch.nn.Module):
+    """``x`` times a positive per-feature scale: a first layer that keeps each feature's
+    sign, so that a gate behind it (on another stage, whose W the zero-bubble schedules
+    take unit by unit; the first stage's is one whole backward) sees the batch as made."""
+
+    def __init__(self, width: int = 12) -> None:
+        super().__init__()
+        self.log_scale = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.log_scale.exp()
+
+
+class WithNever(torch.nn.Module):
+    """``relu(lin(x))`` beside a parameter the forward never uses: a pipeline stage (or an
+    interleaved chunk) holding a parameter that no step gives a gradient."""
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.never = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
 ALL = tuple(range(PARITY_BATCH))
 BRANCH_SAMPLES = [(), (0, 1, 2, 3), (), ALL, (12, 13, 14, 15), (), (5, 9), (), ALL, (15,)]
 """Per step, the samples (of 16) that take ``body.branch``: none at all, only the first or
@@ -167,7 +197,7 @@ def parity_batches(kind: str, steps: int = PARITY_STEPS, batch: int = PARITY_BAT
             x = torch.randn(batch, 12, generator=generator)
             y = torch.randint(0, 5, (batch,), generator=generator)
             x[:, 1] = (x[:, 1].abs() + 0.1) * (1 if len(out) >= LATE_STEP else -1)
-        elif kind == "branchy":
+        elif kind in ("branchy", "branchy_layers"):
             x = torch.randn(batch, 12, generator=generator)
             y = torch.randint(0, 5, (batch,), generator=generator)
             step = len(out)
