@@ -27,7 +27,7 @@ def train_hf(runs: list[tuple], directory: str) -> tuple[list[tuple] | None, lis
         engine.save_checkpoint(path)
         evaluated = engine.eval_step(*hf_workers.batches()[0])
         results.append((engine.state_dict(), losses, path, engine.layout(), evaluated))
-        whole.append(sorted(engine._cut_chunks))
+        whole.append(sorted(engine.stage_parts.cut_chunks))
     return (results if comm.rank() == 0 else None), whole
 
 

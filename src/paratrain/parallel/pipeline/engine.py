@@ -48,8 +48,6 @@ is whole on every member.
 from __future__ import annotations
 
 import functools
-import time
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -102,7 +100,12 @@ from paratrain.parallel.pipeline.split_points import (
     refuse_splits_across_stages,
 )
 from paratrain.parallel.pipeline.stage_run import NamedStage, shape_twins
-from paratrain.parallel.pipeline.structure import flatten, floating
+from paratrain.parallel.pipeline.step_passes import (
+    StageParts,
+    StepPasses,
+    needing_gradients,
+    pass_loss_back,
+)
 from paratrain.parallel.pipeline.ties import CrossStageTies, layer_list_stages, release_shared
 from paratrain.parallel.pipeline.weight_units import graph_tensors
 from paratrain.parallel.recompute import refuse_batchnorm
@@ -122,17 +125,6 @@ from paratrain.parallel.ties import tied_names
 from paratrain.runtime import comm
 from paratrain.runtime.memory import model_state_bytes
 from paratrain.runtime.mesh import build_mesh
-
-
-def _floating_leaves(value: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a stage boundary value, in the order messages use."""
-    leaves, _ = flatten(value)
-    return [leaves[index] for index in floating(leaves)]
-
-
-def _needing_gradients(value: Any) -> list[torch.Tensor]:
-    """The received tensors whose gradients go back to the stage before, in message order."""
-    return [leaf for leaf in _floating_leaves(value) if leaf.requires_grad]
 
 
 def choose_balance(
@@ -216,9 +208,6 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.schedule_name = schedule
         self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
         self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
-        self._cut_chunks: set[int] = set()
-        """Chunks a split backward runs cut between layers: one micro-batch's graph failed
-        the proof that lets W take the uncut chunk unit by unit (``LayerTape(whole=)``)."""
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerPieces | None = None
@@ -242,17 +231,33 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             self._chunk_modules or [self.module], links, self.mesh
         )
         self.link = links[-1]  # the last chunk's: the step's loss travels along it
-        self._totals: LossTotals | None = None  # the step's losses, on the last stage
-        self._step_loss: torch.Tensor | None = None
-        self._items: int | None = None  # the step's num_items_in_batch (``_num_items``)
         self.events: list[dict[str, Any]] = []
         self.runner = ScheduleRunner(
             self.actions, self.mesh.stage, links=links, memory=self.memory, events=self.events
         )
+        self.stage_parts = self._stage_parts()
         self.memory.watch(
             self._params,
             model_state=self.model_state_bytes,
             communication=lambda: sum(link.held_bytes() for link in links),
+        )
+
+    def _stage_parts(self) -> StageParts:
+        """What a step's passes use of this stage (``step_passes``), once it is built."""
+        return StageParts(
+            chunks=self.chunks,
+            loss_link=self.link,
+            mesh=self.mesh,
+            device=self._device,
+            memory=self.memory,
+            precision=self.precision,
+            runner=self.runner,
+            run_stage=self._run_stage,
+            owners_of=self._owners,
+            micro_batches=self.micro_batches,
+            split_backward=self.split_backward,
+            recompute=self.recompute,
+            needs_inputs=self._needs_inputs,
         )
 
     @staticmethod
@@ -463,20 +468,22 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         share_in = take_share(inputs, self.mesh.replica, replicas)
         share_tgt = take_share(targets, self.mesh.replica, replicas)
         self.memory.begin_step(self.steps_taken)
-        self._totals = LossTotals(
-            self.loss_fn,
-            targets,
-            share_tgt,
-            parts=rounds * micro * replicas,
-            device=self._device,
+        parts = rounds * micro * replicas
+        totals = LossTotals(self.loss_fn, targets, share_tgt, parts=parts, device=self._device)
+        passes = StepPasses(
+            self.stage_parts,
+            totals=totals,
+            loss_fn=self.loss_fn,
+            reducer=self.reducer,
+            items=self._num_items(inputs, parts),
+            parts=parts,
         )
-        self._step_loss = None
-        self._items = self._num_items(inputs, rounds * micro * replicas)
         for index, (round_in, round_tgt) in enumerate(
             zip(split_micro(share_in, rounds), split_micro(share_tgt, rounds), strict=True)
         ):
-            self._run_round(round_in, round_tgt, final=index == rounds - 1)
-        loss = self._step_loss
+            final = index == rounds - 1
+            passes.run_round(round_in, round_tgt, step=self.steps_taken + 1, final=final)
+        loss = passes.loss
         if self.reducer is not None:
             loss = self.reducer.finish(extras_count=1)[0]
         self.ties.reduce_gradients()  # after the replicas' reduction, as Megatron does
@@ -520,7 +527,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
                     totals.add(self.loss_fn(y, to_device(share_tgt[m], self._device)))
             if not chunk.last:
                 chunk.link.send_activation(y, m)
-        loss = self._pass_loss_back(totals.contribution)
+        loss = pass_loss_back(self.mesh, self.link, totals.contribution)
         for chunk in self.chunks:
             chunk.link.flush()
         self.module.train(was_training)
@@ -588,143 +595,6 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
     def layout(self) -> dict[str, Any]:
         return {**super().layout(), **self.timeline_meta()}
 
-    # -- the schedule ---------------------------------------------------------------------
-
-    def _run_round(self, inputs: Any, targets: Any, *, final: bool) -> None:
-        """One pass of the schedule over ``micro_batches`` micro-batches (``runner``)."""
-        micro = self.micro_batches
-        parts = self.gradient_accumulation * micro * self.mesh.replicas
-        micro_in = split_micro(inputs, micro) if self._needs_inputs else []
-        micro_in = [part_inputs(one, self._items, parts, as_tensor=False) for one in micro_in]
-        micro_tgt = split_micro(targets, micro) if self.mesh.is_last else []
-        scale = 1.0 / parts  # a mean's
-        passes = _RoundPasses(self, micro_in, micro_tgt, scale)
-        with ExitStack() as hooked:
-            if self.split_backward:
-                passes.owners = [self._owners(c) for c in self.chunks]
-                for chunk, owners in zip(self.chunks, passes.owners, strict=True):
-                    if not chunk.first:  # fed data: its W is one whole backward, unrecorded
-                        hooked.enter_context(owners)
-            step = self.steps_taken + 1
-            self.runner.run_round(passes, micro_batches=micro, step=step, final=final)
-
-    def _forward(self, m, c, micro_in, micro_tgt, held, scale: float, owners=None) -> float:
-        """Receive (or take) micro-batch ``m``, run chunk ``c``, pass the result on.
-
-        Returns when the computation started, after the input arrived, so that waiting for
-        a neighbour shows as idle time on the timeline, not as work.
-        """
-        chunk = self.chunks[c]
-        inputs = to_device(micro_in[m], self._device) if self._needs_inputs else None
-        if chunk.first:
-            x = inputs
-        else:
-            x = chunk.link.recv_activation(m)
-            for leaf in _floating_leaves(x):  # their gradients go back to the stage before
-                leaf.requires_grad_(True)
-        start = time.perf_counter()
-        tape = None
-        if self.split_backward:
-            whole, chunk_owners = c not in self._cut_chunks, owners[c] if owners else None
-            tape = LayerTape(whole=whole, owners=chunk_owners)
-        with self.memory.forward(_key(m, c)), self.precision.autocast(self._device):
-            y = self._run_stage(x, chunk, recompute=self.recompute, inputs=inputs, tape=tape)
-            if chunk.last:
-                loss = self._totals.add(self.loss_fn(y, to_device(micro_tgt[m], self._device)))
-                loss_scale = self.precision.loss_factor()
-                y = self._totals.scaled(loss, self.precision.loss_factor(scale), loss_scale)
-        if tape is not None and not tape.whole:
-            self._cut_chunks.add(c)
-        if not chunk.last:
-            chunk.link.send_activation(y, m)
-            chunk.link.expect_gradient(m, y)
-        held[m, c] = (x, y, tape)
-        return start
-
-    def _backward(self, m, c, held, *, last: bool) -> float:
-        """Backward of micro-batch ``m`` once its output gradient arrived; send the input's.
-
-        The step's last backward also passes the step's loss towards stage 0 and arms the
-        gradient all-reduce across replicas, whose extra slot averages that loss too.
-        """
-        chunk = self.chunks[c]
-        x, y, tape = held[m, c] if self.split_backward else held.pop((m, c))
-        grad = None if chunk.last else chunk.link.recv_gradient(m)
-        if last:
-            self._step_loss = self._pass_loss_back(self._totals.contribution)
-            if self.reducer is not None:  # the replicas' contributions add up to the loss
-                self.reducer.arm(extras=self._step_loss)
-        start = time.perf_counter()
-        with self.memory.recording(_key(m, c)):
-            pairs = None
-            if not chunk.last:
-                leaves = zip(_floating_leaves(y), grad, strict=True)
-                pairs = [(out, g) for out, g in leaves if out.requires_grad]
-            if tape is not None:
-                self._backward_input(tape, x, y, pairs)
-            elif pairs is None:
-                if y.requires_grad:
-                    y.backward()
-            elif pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if tape is None:
-            self.memory.release(_key(m, c))
-        if not chunk.first:
-            chunk.link.send_gradient(x, m)
-        return start
-
-    @staticmethod
-    def _backward_input(tape: LayerTape, x: Any, y: Any, pairs: list | None) -> None:
-        """B of a split backward: the input's gradients into the received tensors' ``.grad``
-        (which ``send_gradient`` reads); the weights' wait for W (``pairs``: the outputs'
-        gradients, None on the last chunk, whose ``y`` is the loss)."""
-        if pairs is None:
-            grads = tape.backward_input_from_loss(y) if y.requires_grad else []
-        else:
-            by_output = {id(out): g for out, g in pairs}
-            grads = tape.backward_input([by_output[id(out)] for out in tape.outputs])
-        received = [] if x is None else _needing_gradients(x)
-        for leaf, grad in zip(received, grads, strict=False):
-            leaf.grad = grad
-
-    def _weight(self, m: int, c: int, held) -> float:
-        """W of a split backward: micro-batch ``m``'s weight gradients through chunk ``c``
-        (the step's last W is followed by ``_after_last_weight``)."""
-        _, _, tape = held.pop((m, c))
-        start = time.perf_counter()
-        with self.memory.recording(_key(m, c)):
-            tape.backward_weight()
-        self.memory.release(_key(m, c))
-        return start
-
-    def _after_last_weight(self) -> None:
-        """After the step's last W of a split backward: take the step's loss from the next
-        stage and pass it towards stage 0 (the last stage sent it at its last B,
-        ``_after_last_input``), and arm the replicas' reduction, now that every gradient
-        exists (each layer's W is a backward of its own, so a Parameter used by two
-        layers would count down its bucket twice while armed). After the W, not before
-        it: waiting for the loss first held this stage's last W back by up to a W (on a
-        2-stage gpt under ZB-H1, 15 ms of a 450 ms step, when the loss left the last
-        stage after its own last W)."""
-        if not self.split_backward:
-            return  # a backward that is not split passed the loss and armed at its start
-        if self._step_loss is None:  # the last stage's left at its last B
-            self._step_loss = self._pass_loss_back(self._totals.contribution)
-        if self.reducer is not None:
-            self.reducer.arm(extras=self._step_loss)
-
-    def _after_last_input(self) -> None:
-        """After the step's last B of a split backward: the last stage hands the step's
-        loss back now, all its forwards having run, and not after the W passes that
-        follow. The stage before receives it after its own last W, as before; sent after
-        this stage's last W, it kept that stage waiting whenever this stage's W passes
-        ended later (on a 2-stage ZB-H2 the last stage runs two W after its last B, the
-        first stage one longer W: the first stage's step ended 3.3-4.2 ms after its last
-        pass, 1.9 ms now, torch's 2.2-2.6; the last stage waits that long again for the
-        next step's first forward)."""
-        if self.mesh.is_last:
-            self._step_loss = self._pass_loss_back(self._totals.contribution)
-
     def _clip(self) -> None:
         """Clip by the norm over every stage (every worker takes part, a stage without
         parameters too). A Parameter tied across stages counts once, by the copy under
@@ -782,7 +652,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             run = functools.partial(self.named.run, inputs, received, chunk=chunk.index)
             if tape is None:
                 return run()
-            needs = [] if received is None else _needing_gradients(x)
+            needs = [] if received is None else needing_gradients(x)
             return tape.run_piece(run, needs, leaves_of=graph_tensors)
         args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
         if tape is not None:  # layer by layer, for a backward split into B and W
@@ -796,46 +666,3 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         if self.named is not None:
             return ChunkOwners(*self.named.piece_owners(chunk.index))
         return ChunkOwners.of_layers(chunk.module)
-
-    def _pass_loss_back(self, compute) -> torch.Tensor:
-        """The last stage computes the loss; every other stage hears it from the next one
-        and passes it on, so every rank knows it without a collective of its own."""
-        loss = compute() if self.mesh.is_last else self.link.recv_loss()
-        if not self.mesh.is_first:
-            self.link.send_loss(loss)
-        return loss
-
-
-def _key(micro: int, chunk: int) -> int | tuple[int, int]:
-    """The memory ledger's key of a micro-batch's pass through a chunk (the micro-batch
-    alone for the first chunk, as plain schedules always keyed it)."""
-    return micro if chunk == 0 else (micro, chunk)
-
-
-class _RoundPasses:
-    """One round's ``StagePasses`` for the runner: the engine's forward and backward of a
-    micro-batch, with the round's micro-batches, loss scale and held activations."""
-
-    def __init__(self, engine: PipelineEngine, micro_in: Any, micro_tgt: Any, scale: float):
-        self.engine, self.micro_in, self.micro_tgt, self.scale = engine, micro_in, micro_tgt, scale
-        self.held: dict[tuple[int, int], tuple[Any, Any, LayerTape | None]] = {}
-        self.owners: list[ChunkOwners] | None = None
-        """Each chunk's parameter owners for the round (a split backward's), hooked but for a
-        chunk fed data, whose W is one whole backward and records nothing."""
-
-    def forward(self, micro: int, chunk: int) -> float:
-        return self.engine._forward(
-            micro, chunk, self.micro_in, self.micro_tgt, self.held, self.scale, self.owners
-        )
-
-    def backward(self, micro: int, chunk: int, *, last: bool) -> float:
-        return self.engine._backward(micro, chunk, self.held, last=last)
-
-    def weight(self, micro: int, chunk: int, *, last: bool) -> float:
-        return self.engine._weight(micro, chunk, self.held)
-
-    def after_last(self) -> None:
-        self.engine._after_last_weight()
-
-    def after_last_input(self) -> None:
-        self.engine._after_last_input()

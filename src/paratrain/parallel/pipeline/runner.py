@@ -7,9 +7,10 @@ in the memory ledger after each. It knows nothing of GPipe or 1F1B, and the engi
 knows nothing of the order: a new schedule is a new list (registered in
 ``schedules.SCHEDULES``, checked there by ``simulate``), with no engine edit.
 
-The engine supplies the passes (``StagePasses``): run micro-batch ``m`` forward through
-this stage, or backward, where the step's final backward (``last``) also carries the
-step's loss and arms the replicas' gradient reduction. A zero-bubble schedule splits the
+The engine supplies the passes (``StagePasses``; a training step's are
+``step_passes.StepPasses``): run micro-batch ``m`` forward through this stage, or
+backward, where the step's final backward (``last``) also carries the step's loss and
+arms the replicas' gradient reduction. A zero-bubble schedule splits the
 backward: ``B`` then computes the input's gradient only and ``W`` the weights'; the
 step's last gradient is then a W's, so the last W is the one marked ``last`` (and what
 must follow it, the loss handed back and the replicas' reduction, runs in
