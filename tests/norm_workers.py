@@ -7,6 +7,7 @@ and a BatchNorm1d so that both layouts (N, C, H, W) and (N, C) are exercised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,17 @@ def dropout_model() -> nn.Sequential:
     )
 
 
+def dropout_blocks_model() -> nn.Sequential:
+    """A layer list whose layers hold their dropout beside their weights (``Linear``, ReLU,
+    dropout): a recompute that reruns a layer to make its weights' gradients (a split
+    backward's W) replays its mask too."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(n, 32), nn.ReLU(), RecordingDropout(0.5)) for n in (12, 32, 32)),
+        nn.Linear(32, 5),
+    )
+
+
 def dropout_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
     return [
@@ -81,11 +93,12 @@ def dropout_run(
     steps: tuple[int, int] = (0, STEPS),
     load_from: str | None = None,
     save_to: str | None = None,
+    build: Callable[[], nn.Module] = dropout_model,
 ) -> dict[str, Any]:
     """Train steps [start, end) of the dropout batches; returns masks, state and losses."""
     import paratrain
 
-    model = dropout_model()
+    model = build()
     engine = paratrain.setup(
         model,
         optimizer=parity_optimizer("sgd"),
@@ -113,6 +126,13 @@ def dropout_run(
 def dropout_runs(cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Several ``dropout_run`` in one launch (starting workers is the slow part)."""
     return [dropout_run(strategy, options) for strategy, options in cases]
+
+
+def dropout_block_runs(cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``dropout_runs`` on ``dropout_blocks_model``."""
+    return [
+        dropout_run(strategy, options, build=dropout_blocks_model) for strategy, options in cases
+    ]
 
 
 def uninterrupted_then_saved(strategy: str, checkpoint: str, save_after: int) -> dict[str, Any]:
