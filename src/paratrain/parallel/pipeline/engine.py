@@ -91,6 +91,7 @@ from paratrain.parallel.pipeline.schedules import build_schedule, splits_backwar
 from paratrain.parallel.pipeline.split_backward import (
     ChunkOwners,
     LayerTape,
+    graph_leaves,
 )
 from paratrain.parallel.pipeline.split_points import (
     StagePlan,
@@ -103,7 +104,6 @@ from paratrain.parallel.pipeline.stage_run import NamedStage, shape_twins
 from paratrain.parallel.pipeline.step_passes import (
     StageParts,
     StepPasses,
-    needing_gradients,
     pass_loss_back,
 )
 from paratrain.parallel.pipeline.ties import CrossStageTies, layer_list_stages, release_shared
@@ -652,7 +652,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             run = functools.partial(self.named.run, inputs, received, chunk=chunk.index)
             if tape is None:
                 return run()
-            needs = [] if received is None else needing_gradients(x)
+            needs = [] if received is None else graph_leaves(x)
             return tape.run_piece(run, needs, leaves_of=graph_tensors)
         args, kwargs = as_arguments(x) if chunk.first else ((x,), {})
         if tape is not None:  # layer by layer, for a backward split into B and W

@@ -70,13 +70,9 @@ class LinearCall:
 
     x: torch.Tensor
     out: torch.Tensor
-    versions: tuple[int, int] | None = None
+    versions: tuple[int, int]
     """``x``'s and ``out``'s versions when the call returned (the round's hook reads them
-    then); None: their versions now."""
-
-    def __post_init__(self) -> None:
-        if self.versions is None:
-            self.versions = (self.x._version, self.out._version)
+    then)."""
 
     def unchanged(self) -> bool:
         return (self.x._version, self.out._version) == self.versions

@@ -54,15 +54,16 @@ from paratrain.parallel.pipeline.weight_units import (
 )
 
 
-def _graph_leaves(value: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of ``value`` that carry a graph (need a gradient)."""
+def graph_leaves(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``value`` that carry a graph (need a gradient), in the
+    order stage-boundary messages use (a received value's: those whose gradients go back)."""
     leaves, _ = flatten(value)
     return [leaves[i] for i in floating(leaves) if leaves[i].requires_grad]
 
 
 def _cut(value: Any) -> tuple[Any, list[torch.Tensor]]:
     """``value`` with its graph-carrying tensors replaced by detached copies that require
-    grad (the next layer's inputs), and those copies, in ``_graph_leaves`` order."""
+    grad (the next layer's inputs), and those copies, in ``graph_leaves`` order."""
     leaves, spec = flatten(value)
     cut, fresh = list(leaves), []
     for index in floating(leaves):
@@ -190,7 +191,7 @@ class LayerTape:
             return self._run(owners, layers, args, kwargs, recompute)
 
     def _run(self, chunk: ChunkOwners, layers, args, kwargs, recompute: bool) -> Any:
-        inputs = [leaf for value in (*args, *kwargs.values()) for leaf in _graph_leaves(value)]
+        inputs = [leaf for value in (*args, *kwargs.values()) for leaf in graph_leaves(value)]
         if not inputs:
             return self._run_deferred(chunk, layers, args, kwargs, recompute)
         if self.whole and not recompute and chunk.owners:
@@ -205,10 +206,10 @@ class LayerTape:
             units = None
             if owners:
                 value, recorder = chunk.record(owners, layer, *args, **kwargs)
-                units = units_of(recorder, _graph_leaves(value))
+                units = units_of(recorder, graph_leaves(value))
             else:
                 value = _call(layer, args, kwargs, recompute)
-            record = _Layer(inputs, _graph_leaves(value), chunk.layer_params[index], units=units)
+            record = _Layer(inputs, graph_leaves(value), chunk.layer_params[index], units=units)
             record.keep_graph = units is not None and overlapping(units)
             self.layers.append(record)
         return value
@@ -254,7 +255,7 @@ class LayerTape:
             if index:
                 args, kwargs = (value,), {}
             value = _call(layer, args, kwargs, recompute)
-        self.layers = [_Layer([], _graph_leaves(value), chunk.params)]
+        self.layers = [_Layer([], graph_leaves(value), chunk.params)]
         return value
 
     def _run_whole(self, chunk: ChunkOwners, layers, inputs, args, kwargs) -> Any:
@@ -268,7 +269,7 @@ class LayerTape:
             return value
 
         value, recorder = chunk.record(chunk.owners, forward)
-        outputs = _graph_leaves(value)
+        outputs = graph_leaves(value)
         units = units_of(recorder, outputs)
         record = _Layer(inputs, outputs, chunk.params, units=units)
         record.keep_graph = units is not None and overlapping(units)

@@ -32,7 +32,7 @@ from paratrain.parallel.model_loss_items import part_inputs
 from paratrain.parallel.pipeline.chunks import Chunk
 from paratrain.parallel.pipeline.p2p import StageLink
 from paratrain.parallel.pipeline.runner import ScheduleRunner
-from paratrain.parallel.pipeline.split_backward import ChunkOwners, LayerTape
+from paratrain.parallel.pipeline.split_backward import ChunkOwners, LayerTape, graph_leaves
 from paratrain.parallel.pipeline.structure import flatten, floating
 from paratrain.parallel.precision import Precision
 from paratrain.runtime.mesh import Mesh
@@ -42,11 +42,6 @@ def floating_leaves(value: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a stage boundary value, in the order messages use."""
     leaves, _ = flatten(value)
     return [leaves[index] for index in floating(leaves)]
-
-
-def needing_gradients(value: Any) -> list[torch.Tensor]:
-    """The received tensors whose gradients go back to the stage before, in message order."""
-    return [leaf for leaf in floating_leaves(value) if leaf.requires_grad]
 
 
 def pass_loss_back(mesh: Mesh, link: StageLink, compute: Callable[[], Any]) -> torch.Tensor:
@@ -252,6 +247,6 @@ def _backward_input(tape: LayerTape, x: Any, y: Any, pairs: list | None) -> None
     else:
         by_output = {id(out): g for out, g in pairs}
         grads = tape.backward_input([by_output[id(out)] for out in tape.outputs])
-    received = [] if x is None else needing_gradients(x)
+    received = [] if x is None else graph_leaves(x)
     for leaf, grad in zip(received, grads, strict=False):
         leaf.grad = grad
