@@ -80,7 +80,10 @@ class ActivationMeter:
             # alive (a 2-stage gpt under ZB-H1: 7 MB more after each step).
             return tensor.detach()
 
-        with saved_tensors_hooks(pack, lambda tensor: tensor):
+        # Untraced: inside a torch.compile'd module dynamo would trace the hook, break the
+        # graph at its calls and recompile on every new ``seen`` (18 breaks in 3 steps of
+        # the parity mlp under ``layer.compile()``; tests/test_compiled_layers).
+        with saved_tensors_hooks(torch.compiler.disable(pack), lambda tensor: tensor):
             yield
 
     def exclude(self, tensor: torch.Tensor) -> None:

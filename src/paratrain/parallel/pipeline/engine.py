@@ -79,6 +79,7 @@ from paratrain.parallel.pipeline.chunks import (
     chunk_links,
     held_pieces,
 )
+from paratrain.parallel.pipeline.compiled_backward import keep_compiled_graphs_for_w
 from paratrain.parallel.pipeline.options import STAGES, micro_batches_per_replica
 from paratrain.parallel.pipeline.partition import (
     check_stages,
@@ -208,6 +209,8 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.schedule_name = schedule
         self.actions = build_schedule(schedule, stages, self.micro_batches, chunks)
         self.split_backward = splits_backward(self.actions)  # B and W apart (zero bubble)
+        if self.split_backward:
+            keep_compiled_graphs_for_w()  # before the stage's first forward compiles
         self.mesh = build_mesh(layout)
         self._tied_names = tied_names(model)  # of the whole model, before it is cut
         self.slice: LayerPieces | None = None
