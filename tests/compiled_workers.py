@@ -1,4 +1,4 @@
-"""Worker side of ``test_compiled_layers``: the parity mlp with its layers compiled."""
+"""Worker side of ``test_compiled_layers``: the parity models compiled as users compile."""
 
 from __future__ import annotations
 
@@ -6,41 +6,52 @@ import torch
 
 import paratrain
 from paratrain.models import loss_for
-from tests import workers
+from tests import tp_workers, workers
 
 
-def compiled_mlp(how: str, backend: str) -> torch.nn.Sequential:
-    """``workers.parity_model("mlp")`` with each layer compiled the two ways users do:
-    wrapped (``torch.compile(layer)``, an ``OptimizedModule``) or in place
-    (``layer.compile()``, names unchanged)."""
-    model = workers.parity_model("mlp")
+def compiled(kind: str, how: str, backend: str) -> torch.nn.Module:
+    """``tp_workers.build(kind)`` (the parity mlp, or the tensor suite's gpt) compiled the
+    ways users do: whole (``torch.compile(model)``), each layer of a layer list wrapped
+    (``torch.compile(layer)``, an ``OptimizedModule``), or each module that owns
+    parameters compiled in place (``module.compile()``, names unchanged)."""
+    model = tp_workers.build(kind)
+    if how == "whole":
+        return torch.compile(model, backend=backend)
     if how == "wrapped":
         return torch.nn.Sequential(*(torch.compile(layer, backend=backend) for layer in model))
-    for layer in model:
-        layer.compile(backend=backend)
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.compile(backend=backend)
     return model
 
 
 def unwrapped(state: dict) -> dict:
-    """A wrapped layer's names carry ``_orig_mod.``; the reference's do not."""
+    """A wrapped model's names carry ``_orig_mod.``; the reference's do not."""
     return {name.replace("_orig_mod.", ""): value for name, value in state.items()}
 
 
-def compiled_pipeline_worker(runs: list[tuple[str, str, str]], backend: str) -> list[dict]:
-    """Each (compile style, schedule, optimizer) trained 10 steps at 2 stages of 4
-    micro-batches; the final states."""
+def train_compiled(kind: str, how: str, optimizer: str, backend: str, **options) -> dict:
+    """10 steps of the compiled model under ``options``' engine; the final state."""
+    engine = paratrain.setup(
+        compiled(kind, how, backend),
+        optimizer=workers.parity_optimizer(optimizer),
+        loss_fn=loss_for(kind),
+        **options,
+    )
+    for x, y in tp_workers.batches(kind):
+        engine.train_step(x, y)
+    return unwrapped(engine.state_dict())
+
+
+def compiled_runs_worker(runs: list[tuple[str, str, str, dict]], backend: str) -> list[dict]:
+    """Each (model, compile style, optimizer, engine options) trained; the final states.
+    Dynamo forgets its compiled code between runs, each a fresh process's as under
+    ``launch``: in one process, a model compiled under dp and then another under zero3
+    failed in the second's compiled forward on a freed shard ("setStorage: ... out of
+    bounds for storage of size 0"), as if handed code compiled without zero3's gathering
+    hooks."""
     states = []
-    for how, schedule, optimizer in runs:
-        engine = paratrain.setup(
-            compiled_mlp(how, backend),
-            optimizer=workers.parity_optimizer(optimizer),
-            loss_fn=loss_for("mlp"),
-            strategy="pipeline",
-            stages=2,
-            micro_batches=4,
-            schedule=schedule,
-        )
-        for x, y in workers.parity_batches("mlp"):
-            engine.train_step(x, y)
-        states.append(unwrapped(engine.state_dict()))
+    for kind, how, optimizer, options in runs:
+        torch._dynamo.reset()
+        states.append(train_compiled(kind, how, optimizer, backend, **options))
     return states

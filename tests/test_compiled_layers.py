@@ -1,5 +1,6 @@
-"""torch.compile'd layers: trained exactly under every pipeline schedule, the zero-bubble
-ones included, and not broken into pieces by the memory ledger's hook.
+"""torch.compile'd models and layers: trained exactly under every pipeline schedule, the
+zero-bubble ones included, and under dp and ZeRO 1-3, and not broken into pieces by the
+memory ledger's hook.
 
 Two defects this guards (``pipeline/compiled_backward``, ``runtime/memory``): under ZB-H1
 and ZB-H2 a stage of ``torch.compile(layer)`` layers raised at its first B (inductor
@@ -24,13 +25,16 @@ import paratrain
 from paratrain.models import loss_for
 from paratrain.parallel.pipeline import compiled_backward
 from paratrain.runtime.memory import ActivationMeter
-from tests import compiled_workers, workers
+from tests import compiled_workers, tp_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 NO_COMPILER = not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"))
 needs_inductor = pytest.mark.skipif(
     NO_COMPILER, reason="inductor compiles C++ on the CPU: no g++, clang++ or $CXX here"
 )
+
+
+TWO_STAGES = {"stages": 2, "micro_batches": 4}
 
 
 @pytest.fixture(autouse=True)
@@ -42,46 +46,68 @@ def own_inductor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
 
 
-def plain_loop(optimizer: str) -> dict:
-    """The uncompiled parity mlp, 10 steps of the plain PyTorch loop."""
-    model = workers.parity_model("mlp")
+def plain_loop(kind: str, optimizer: str) -> dict:
+    """The uncompiled model, 10 steps of the plain PyTorch loop."""
+    model = tp_workers.build(kind)
     step = workers.parity_optimizer(optimizer)(model.parameters())
-    loss_fn = loss_for("mlp")
-    for x, y in workers.parity_batches("mlp"):
+    loss_fn = loss_for(kind)
+    for x, y in tp_workers.batches(kind):
         step.zero_grad()
         loss_fn(model(x), y).backward()
         step.step()
     return model.state_dict()
 
 
+def check(runs: list[tuple[str, str, str, dict]], states: list[dict]) -> None:
+    plain = {(kind, optimizer): plain_loop(kind, optimizer) for kind, _, optimizer, _ in runs}
+    for (kind, how, optimizer, options), state in zip(runs, states, strict=True):
+        error = relative_error(state, plain[kind, optimizer])
+        label = f"{kind} compiled {how}, {optimizer}, {options}"
+        assert error <= TOLERANCE, f"{label}: relative error {error:.2e}"
+
+
 @pytest.mark.slow
 @needs_inductor
 def test_every_schedule_trains_compiled_layers_as_the_plain_loop():
-    """1F1B, ZB-H1 and ZB-H2 on layers compiled by inductor both ways, SGD-momentum and
-    Adam, against the uncompiled plain loop. Before the fix the wrapped layers failed at
-    ZB-H1's first B with torch's donated-buffer error."""
+    """1F1B, ZB-H1 and ZB-H2 at 2 stages of 4 micro-batches, on layers compiled by
+    inductor both ways, SGD-momentum and Adam, against the uncompiled plain loop. Before
+    the fix the wrapped layers failed at ZB-H1's first B with torch's donated-buffer error."""
     runs = [
-        (how, schedule, optimizer)
+        ("mlp", how, optimizer, {"strategy": "pipeline", "schedule": schedule, **TWO_STAGES})
         for how in ("wrapped", "in place")
         for schedule in ("1f1b", "zb-h1", "zb-h2")
         for optimizer in ("sgd", "adam")
     ]
-    results = paratrain.launch(
-        compiled_workers.compiled_pipeline_worker, devices=2, args=(runs, "inductor")
-    )
-    plain = {name: plain_loop(name) for name in ("sgd", "adam")}
-    for (how, schedule, optimizer), state in zip(runs, results[0], strict=True):
-        error = relative_error(state, plain[optimizer])
-        assert error <= TOLERANCE, f"{how}, {schedule}, {optimizer}: relative error {error:.2e}"
+    args = (runs, "inductor")
+    check(runs, paratrain.launch(compiled_workers.compiled_runs_worker, devices=2, args=args)[0])
+
+
+@pytest.mark.slow
+@needs_inductor
+def test_data_and_tensor_parallel_train_a_compiled_model_as_the_plain_loop():
+    """dp and ZeRO 1-3 on the mlp compiled whole (SGD-momentum and Adam) or module by
+    module (Adam), and tp on the gpt both ways (Adam), 2 workers, against the uncompiled
+    plain loop: the engines' hooks (gradient buckets, ZeRO-3's gathering before each
+    module, tp's collectives inside autograd functions) and the ledger's run inside or
+    around the compiled graphs."""
+    runs = [
+        ("mlp", how, optimizer, {"strategy": strategy})
+        for strategy in ("dp", "zero1", "zero2", "zero3")
+        for how, optimizer in (("whole", "sgd"), ("whole", "adam"), ("in place", "adam"))
+    ]
+    runs += [("gpt", how, "adam", {"strategy": "tp"}) for how in ("whole", "in place")]
+    args = (runs, "inductor")
+    check(runs, paratrain.launch(compiled_workers.compiled_runs_worker, devices=2, args=args)[0])
 
 
 def test_the_ledger_hook_leaves_a_compiled_layer_whole():
-    """A forward and backward of ``layer.compile()`` layers inside the ledger's recording
-    (as every engine meters its passes): no graph break, and the hook still counts what
-    autograd saved. Backend "eager": graph breaks are dynamo's, before any backend."""
+    """A forward and backward of the mlp, its Linear modules compiled in place, inside the
+    ledger's recording (as every engine meters its passes): no graph break, and the hook
+    still counts what autograd saved. Backend "eager": graph breaks are dynamo's, before
+    any backend."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = compiled_workers.compiled_mlp("in place", "eager")
+    model = compiled_workers.compiled("mlp", "in place", "eager")
     meter = ActivationMeter()
     for step, (x, y) in enumerate(workers.parity_batches("mlp", steps=3)):
         with meter.record(step):
@@ -102,7 +128,7 @@ def test_a_region_compiled_with_donated_buffers_is_explained(monkeypatch):
         pytest.skip("this torch has no donated buffers (added in 2.5)")
     monkeypatch.setattr(functorch_config, "donated_buffer", True)
     torch._dynamo.reset()
-    flatten, linear, relu = list(compiled_workers.compiled_mlp("wrapped", "inductor"))[:3]
+    flatten, linear, relu = list(compiled_workers.compiled("mlp", "wrapped", "inductor"))[:3]
     x, _ = workers.parity_batches("mlp", steps=1)[0]
     hidden = linear(flatten(x)).detach().requires_grad_(True)  # a cut layer's input
     out = relu(hidden)  # saves its mask: a buffer inductor's backward reuses

@@ -81,8 +81,8 @@ class ActivationMeter:
             return tensor.detach()
 
         # Untraced: inside a torch.compile'd module dynamo would trace the hook, break the
-        # graph at its calls and recompile on every new ``seen`` (18 breaks in 3 steps of
-        # the parity mlp under ``layer.compile()``; tests/test_compiled_layers).
+        # graph at its calls and recompile on every new ``seen`` (29 breaks in 3 steps of
+        # the parity mlp, its Linear modules compiled in place; tests/test_compiled_layers).
         with saved_tensors_hooks(torch.compiler.disable(pack), lambda tensor: tensor):
             yield
 
