@@ -83,7 +83,24 @@ def parity_model(kind: str):
         )
     if kind == "late":
         return LateParameter()
+    if kind == "frozen":
+        return frozen_layers()
     raise ValueError(kind)
+
+
+def frozen_layers() -> torch.nn.Sequential:
+    """A layer list a user fine-tunes: the first weight frozen (on the stage fed data),
+    a whole Linear frozen between trained ones, and the head's bias frozen
+    (``requires_grad=False``: no ``.grad``, so the optimizer never moves them)."""
+    widths = [(12, 24), (24, 24), (24, 24), (24, 5)]
+    layers: list[torch.nn.Module] = []
+    for index, (fan_in, fan_out) in enumerate(widths):
+        layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.ReLU()] if index < 3 else [])
+    model = torch.nn.Sequential(*layers)
+    model[0].weight.requires_grad_(False)
+    model[4].requires_grad_(False)
+    model[6].bias.requires_grad_(False)
+    return model
 
 
 class LateParameter(torch.nn.Module):
@@ -256,6 +273,15 @@ def dp_parity_worker(cases: list[tuple], options: dict) -> list[tuple[dict, list
 def gpu_dp_parity_worker(cases: list[tuple]) -> list[tuple[dict, list[float]]]:
     """dp on NCCL, one GPU per worker (models and batches move to the worker's GPU)."""
     return [train_with("dp", *case) for case in cases]
+
+
+def strategies_worker(cases: list[tuple], options: list[dict]) -> list[tuple[dict, list]]:
+    """Each case under its own options, the strategy among them (one launch for all)."""
+    out = []
+    for case, option in zip(cases, options, strict=True):
+        settings = dict(option)
+        out.append(train_with(settings.pop("strategy"), *case, **settings))
+    return out
 
 
 def pipeline_parity_worker(cases: list[tuple], options: list[dict]) -> list[tuple[dict, list]]:
