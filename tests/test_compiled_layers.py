@@ -2,7 +2,7 @@
 zero-bubble ones included, and under dp and ZeRO 1-3, and not broken into pieces by the
 memory ledger's hook.
 
-Two defects this guards (``pipeline/compiled_backward``, ``runtime/memory``): under ZB-H1
+Two defects this guards (``pipeline/split_backward_limits``, ``runtime/memory``): under ZB-H1
 and ZB-H2 a stage of ``torch.compile(layer)`` layers raised at its first B (inductor
 compiles a region's backward with donated buffers, which cannot run twice, and B keeps the
 graph for W); and under ``layer.compile()`` dynamo traced the ledger's saved-tensor hook,
@@ -23,7 +23,7 @@ import torch
 
 import paratrain
 from paratrain.models import loss_for
-from paratrain.parallel.pipeline import compiled_backward
+from paratrain.parallel.pipeline import split_backward_limits
 from paratrain.runtime.memory import ActivationMeter
 from tests import compiled_workers, tp_workers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
@@ -48,14 +48,8 @@ def own_inductor_cache(tmp_path, monkeypatch):
 
 def plain_loop(kind: str, optimizer: str) -> dict:
     """The uncompiled model, 10 steps of the plain PyTorch loop."""
-    model = tp_workers.build(kind)
-    step = workers.parity_optimizer(optimizer)(model.parameters())
-    loss_fn = loss_for(kind)
-    for x, y in tp_workers.batches(kind):
-        step.zero_grad()
-        loss_fn(model(x), y).backward()
-        step.step()
-    return model.state_dict()
+    model, batches = tp_workers.build(kind), tp_workers.batches(kind)
+    return workers.plain_loop_state(model, optimizer, batches, loss_for(kind))
 
 
 def check(runs: list[tuple[str, str, str, dict]], states: list[dict]) -> None:
@@ -133,5 +127,5 @@ def test_a_region_compiled_with_donated_buffers_is_explained(monkeypatch):
     hidden = linear(flatten(x)).detach().requires_grad_(True)  # a cut layer's input
     out = relu(hidden)  # saves its mask: a buffer inductor's backward reuses
     with pytest.raises(RuntimeError, match="donated_buffer = False before the model's first"):
-        with compiled_backward.explained():
+        with split_backward_limits.explained():
             torch.autograd.grad(out, hidden, torch.ones_like(out), retain_graph=True)

@@ -32,13 +32,8 @@ PIPELINE = {"strategy": "pipeline", "stages": 2, "micro_batches": 4}
 
 
 def plain_loop(optimizer: str) -> dict:
-    model = workers.parity_model("frozen")
-    step = workers.parity_optimizer(optimizer)(model.parameters())
-    for x, y in workers.parity_batches("frozen"):
-        step.zero_grad()
-        loss_for("mlp")(model(x), y).backward()
-        step.step()
-    return model.state_dict()
+    model, batches = workers.parity_model("frozen"), workers.parity_batches("frozen")
+    return workers.plain_loop_state(model, optimizer, batches, loss_for("mlp"))
 
 
 def test_the_model_freezes_what_the_tests_name():

@@ -120,8 +120,11 @@ def test_every_engine_trains_saves_and_resumes_hugging_face_models(tmp_path):
 def test_gradient_checkpointing_enable_trains_as_the_plain_loop_under_every_engine():
     """``model.gradient_checkpointing_enable()`` recomputes each block's forward in backward;
     in fp32 the recomputation repeats the same operations on the same values, so every
-    engine must still equal the plain loop (without checkpointing) to the suite's bar.
-    2 workers, SGD-momentum (the Adam cases above already cover summation order)."""
+    engine must still equal the plain loop (without checkpointing) to the suite's bar,
+    the zero-bubble schedules too (their B and W each rerun a checkpointed block; the
+    checkpoints are non-reentrant, transformers 5's default: a reentrant one stops them
+    with what to change, ``test_user_checkpoint``). 2 workers, SGD-momentum (the Adam
+    cases above already cover summation order)."""
     runs = [
         (strategy, kind, options)
         for strategy, options in (
@@ -130,6 +133,8 @@ def test_gradient_checkpointing_enable_trains_as_the_plain_loop_under_every_engi
             ("zero2", {}),
             ("zero3", {}),
             ("pipeline", {"stages": 2, "micro_batches": 2}),
+            ("pipeline", {"stages": 2, "micro_batches": 2, "schedule": "zb-h1"}),
+            ("pipeline", {"stages": 2, "micro_batches": 2, "schedule": "zb-h2"}),
             ("ps", {"staleness": 0}),
         )
         for kind in ("gpt2", "llama")

@@ -241,6 +241,17 @@ def parity_optimizer(name: str):
     return lambda params: torch.optim.Adam(params, lr=0.01)
 
 
+def plain_loop_state(model: torch.nn.Module, optimizer: str, batches, loss_fn) -> dict:
+    """``model`` trained by the plain PyTorch loop on ``batches`` (one step each); its
+    final state: the reference a user's own loop would reach."""
+    step = parity_optimizer(optimizer)(model.parameters())
+    for x, y in batches:
+        step.zero_grad()
+        loss_fn(model(x), y).backward()
+        step.step()
+    return model.state_dict()
+
+
 def parity_engine(strategy: str, kind: str, optimizer: str, accumulation: int = 1, **options):
     """The parity model under ``strategy``, built the same way on every rank."""
     import paratrain

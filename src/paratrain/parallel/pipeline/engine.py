@@ -79,7 +79,6 @@ from paratrain.parallel.pipeline.chunks import (
     chunk_links,
     held_pieces,
 )
-from paratrain.parallel.pipeline.compiled_backward import keep_compiled_graphs_for_w
 from paratrain.parallel.pipeline.options import STAGES, micro_batches_per_replica
 from paratrain.parallel.pipeline.partition import (
     check_stages,
@@ -94,6 +93,7 @@ from paratrain.parallel.pipeline.split_backward import (
     LayerTape,
     graph_leaves,
 )
+from paratrain.parallel.pipeline.split_backward_limits import keep_compiled_graphs_for_w
 from paratrain.parallel.pipeline.split_points import (
     StagePlan,
     layer_list_balance,

@@ -29,7 +29,7 @@ from paratrain.parallel.grad_buckets import BucketedGradientReducer
 from paratrain.parallel.loss_reduction import LossTotals
 from paratrain.parallel.memory_tracking import MemoryTracker
 from paratrain.parallel.model_loss_items import part_inputs
-from paratrain.parallel.pipeline import compiled_backward
+from paratrain.parallel.pipeline import split_backward_limits
 from paratrain.parallel.pipeline.chunks import Chunk
 from paratrain.parallel.pipeline.p2p import StageLink
 from paratrain.parallel.pipeline.runner import ScheduleRunner
@@ -129,7 +129,7 @@ class StepPasses:
         with ExitStack() as hooked:
             self.owners = None
             if stage.split_backward:
-                hooked.enter_context(compiled_backward.explained())
+                hooked.enter_context(split_backward_limits.explained())
                 self.owners = [stage.owners_of(c) for c in stage.chunks]
                 for chunk, owners in zip(stage.chunks, self.owners, strict=True):
                     if not chunk.first:  # fed data: its W is one whole backward, unrecorded
