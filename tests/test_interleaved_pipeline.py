@@ -15,12 +15,12 @@ from torch import nn
 import paratrain
 from paratrain.parallel.layers import LayerPieces
 from paratrain.parallel.pipeline.chunks import held_pieces
+from paratrain.parallel.pipeline.schedule_clock import simulate
 from paratrain.parallel.pipeline.schedules import (
     ScheduleError,
     build_schedule,
     interleaved_1f1b,
     one_f_one_b,
-    simulate,
 )
 from paratrain.parallel.pipeline.ties import layer_list_stages
 from tests import workers, zero_bubble_workers

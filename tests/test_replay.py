@@ -27,15 +27,12 @@ from paratrain.parallel.pipeline.replay import (
     stepwise_theory,
     timeline_replay,
 )
-from paratrain.parallel.pipeline.schedules import (
-    Action,
+from paratrain.parallel.pipeline.schedule_clock import (
     ScheduleDeadlock,
-    ScheduleError,
-    build_schedule,
     place_actions,
     simulated_bubble,
-    stage_ticks,
 )
+from paratrain.parallel.pipeline.schedules import Action, ScheduleError, build_schedule, stage_ticks
 from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
 
 KINDS = {"F": "forward", "B": "backward", "W": "weight"}

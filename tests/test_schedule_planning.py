@@ -15,12 +15,8 @@ from torch import nn
 
 from paratrain.parallel.pipeline.cost import in_flight
 from paratrain.parallel.pipeline.description import PipelineStrategy
-from paratrain.parallel.pipeline.schedules import (
-    Action,
-    build_schedule,
-    chunk_occupancy,
-    simulate,
-)
+from paratrain.parallel.pipeline.schedule_clock import simulate
+from paratrain.parallel.pipeline.schedules import Action, build_schedule, chunk_occupancy
 from paratrain.parallel.pipeline.timeline import (
     measured_bubble,
     read_timeline,

@@ -5,20 +5,22 @@ from __future__ import annotations
 import pytest
 
 from paratrain.parallel.pipeline import schedules
+from paratrain.parallel.pipeline.schedule_clock import (
+    ScheduleDeadlock,
+    clock_table,
+    place_actions,
+    simulate,
+    simulated_bubble,
+)
 from paratrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
-    ScheduleDeadlock,
     ScheduleError,
-    clock_table,
     get_schedule,
     gpipe,
     interleaved_1f1b,
     max_in_flight,
     one_f_one_b,
-    place_actions,
-    simulate,
-    simulated_bubble,
     splits_backward,
     stage_ticks,
     zb_h1,

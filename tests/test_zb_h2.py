@@ -13,13 +13,11 @@ import pytest
 
 import paratrain
 from paratrain.parallel.pipeline.cost import in_flight
+from paratrain.parallel.pipeline.schedule_clock import clock_table, simulate, simulated_bubble
 from paratrain.parallel.pipeline.schedules import (
     SPLIT_SCHEDULES,
     build_schedule,
-    clock_table,
     max_in_flight,
-    simulate,
-    simulated_bubble,
     zb_h1,
     zb_h2,
 )

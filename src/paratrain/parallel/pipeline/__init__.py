@@ -8,7 +8,8 @@ cost.py             the planner's arithmetic (balance, in-flight micro-batches, 
 options.py          its options (stages, micro-batches, schedule, balance, split points)
 split_points.py     a model that is no layer list: stages at named blocks, who owns what
 stage_run.py        NamedStage: a stage's pieces of such a model, run through its own forward
-schedules.py        GPipe, 1F1B, interleaved 1F1B as pure schedules + simulator
+schedules.py        GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2 as pure action lists
+schedule_clock.py   the clock that proves them sound and places them in time
 partition.py        balance_by_cost and the refusals (pure)
 p2p.py              StageLink: tagged, pre-posted point-to-point messages
 timeline.py         the recorded timeline: reading, measured vs theoretical bubble, trace

@@ -7,7 +7,7 @@ backward makes no input gradient) and a message over gloo takes time (0.01-0.1 m
 bench's 2-core machine, milliseconds under load), so a run can idle far more than the
 textbook says with nothing wrong in the engine.
 ``replay`` places the schedule's own action lists by the simulator's rules
-(``schedules.place_actions``: each pass as early as its stage and its inputs allow, the
+(``schedule_clock.place_actions``: each pass as early as its stage and its inputs allow, the
 same dependencies, the same deadlock check) with a duration in seconds per (stage, chunk,
 kind) and a message time added to every dependency between two devices;
 ``replayed_bubble`` is then the idle fraction that schedule must have on those stages.
@@ -27,14 +27,8 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from paratrain.parallel.pipeline.schedules import (
-    Action,
-    Schedule,
-    ScheduleError,
-    build_schedule,
-    dependencies,
-    place_actions,
-)
+from paratrain.parallel.pipeline.schedule_clock import dependencies, place_actions
+from paratrain.parallel.pipeline.schedules import Action, Schedule, ScheduleError, build_schedule
 from paratrain.parallel.pipeline.timeline import (
     WORK_KINDS,
     StageEvent,

@@ -5,7 +5,7 @@ backward passes of micro-batches. The runner walks this stage's list and calls t
 stage's passes in that order, times each for the timeline, and books the link's buffers
 in the memory ledger after each. It knows nothing of GPipe or 1F1B, and the engine
 knows nothing of the order: a new schedule is a new list (registered in
-``schedules.SCHEDULES``, checked there by ``simulate``), with no engine edit.
+``schedules.SCHEDULES``, checked by ``schedule_clock.simulate``), with no engine edit.
 
 The engine supplies the passes (``StagePasses``; a training step's are
 ``step_passes.StepPasses``): run micro-batch ``m`` forward through this stage, or

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure per-stage action lists, and a clock simulator to check them.
+"""Pipeline schedules as pure per-stage action lists.
 
 A schedule says, for each stage, the order in which it runs forward (``F``) and backward
 (``B``) passes of micro-batches. A zero-bubble schedule splits the backward in two: ``B``
@@ -6,31 +6,15 @@ then computes only the gradient of the stage's input (what the previous stage wa
 and ``W`` the gradients of the weights (which nobody waits for), so W passes can fill
 the ticks a stage would otherwise idle. The first stage of a split schedule is fed data:
 it has no input gradient to make, so the engine runs its B as nothing and its W as its
-whole backward (``split_backward.LayerTape``), and the clock here runs it so too
-(``stage_ticks``). The engine follows the lists; this module proves them
-sound without processes: ``simulate`` runs every stage in list order, each action as soon
-as its inputs exist, and raises ``ScheduleDeadlock`` when some stage would wait forever.
-
-Dependencies (virtual stage ``j`` = ``chunk * stages + stage``; plain schedules have one
-chunk, so ``j`` is the stage): ``F(j, m)`` needs ``F(j - 1, m)``; ``B(j, m)`` needs
-``B(j + 1, m)`` and ``F(j, m)``; ``W(j, m)`` needs ``B(j, m)``. Messages are assumed not
-to block the sender (buffered or asynchronous sends) and to take no time, so the tables
-show compute only (``replay`` places the same lists with measured seconds and a message
-time, through the same ``place_actions``).
+whole backward (``split_backward.LayerTape``), and the clock runs it so too
+(``stage_ticks``). The engine follows the lists (``runner``); ``schedule_clock`` proves
+them sound without processes and places them in time. What a stage holds is read off its
+own list (``max_in_flight``, ``chunk_occupancy``, ``split_occupancy``).
 
 Backward passes run in increasing micro-batch order in every schedule here: activations
 and gradients then cross each link in the order they were produced, so a per-link FIFO
 queue (or a sequence of matching send/recv calls) delivers each message where it is
 expected, with no tags or reordering.
-
-Clock tables (``clock_table``) print one row per stage and one cell per tick: ``F3`` is
-the forward of micro-batch 3, ``B3`` its backward, ``.`` an idle tick; an action lasting
-several ticks fills that many cells. Interleaved schedules add the chunk as a letter
-(``F3a`` chunk 0, ``F3b`` chunk 1). Cells are padded to one width, separated by a space,
-and trailing spaces are dropped, e.g. GPipe with 2 stages and 2 micro-batches::
-
-    F0 F1 .  .  B0 B1
-    .  F0 F1 B0 B1 .
 """
 
 from __future__ import annotations
@@ -44,25 +28,17 @@ __all__ = [
     "SPLIT_SCHEDULES",
     "Action",
     "Schedule",
-    "ScheduleDeadlock",
     "ScheduleError",
-    "Timed",
     "build_schedule",
     "chunk_occupancy",
-    "clock_table",
-    "dependencies",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
     "max_in_flight",
     "one_f_one_b",
-    "place_actions",
-    "simulate",
-    "simulated_bubble",
     "split_occupancy",
     "splits_backward",
     "stage_ticks",
-    "timed_bubble",
     "zb_h1",
     "zb_h2",
 ]
@@ -70,10 +46,6 @@ __all__ = [
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built or is malformed, said in one sentence."""
-
-
-class ScheduleDeadlock(RuntimeError):
-    """A schedule whose stages would wait for each other forever."""
 
 
 @dataclass(frozen=True)
@@ -191,12 +163,13 @@ def zb_h1(stages: int, micro_batches: int) -> Schedule:
     (``stage_ticks``, ``_played``). A free stage runs, in this order of preference: a W if
     ``stages`` are pending (B done, W not); its next B if the output gradient has arrived;
     its next F if fewer than ``stages - s`` micro-batches are between F and B (1F1B's
-    bound); any pending W; else it idles. The lists are then plain data (``simulate``
-    replays them). With F = B = W the bubble is ``(p - 1) / (3m + p - 1)``, the paper's
-    ``(p - 1)(T_F + T_B - T_W)`` per stage, against 1F1B's ``(p - 1) / (m + p - 1)`` (for
-    m >= p). Memory: 1F1B's ``p - s`` micro-batches between F and B, plus at most ``p``
-    whose W is pending, ``2p - 1 - s`` from F to W (``max_in_flight``), fewer on the first
-    stage from p = 4 (its W follows its empty B sooner: 6 of 7 at p = 4, 12 of 15 at 8).
+    bound); any pending W; else it idles. The lists are then plain data
+    (``schedule_clock.simulate`` replays them). With F = B = W the bubble is
+    ``(p - 1) / (3m + p - 1)``, the paper's ``(p - 1)(T_F + T_B - T_W)`` per stage, against
+    1F1B's ``(p - 1) / (m + p - 1)`` (for m >= p). Memory: 1F1B's ``p - s`` micro-batches
+    between F and B, plus at most ``p`` whose W is pending, ``2p - 1 - s`` from F to W
+    (``max_in_flight``), fewer on the first stage from p = 4 (its W follows its empty B
+    sooner: 6 of 7 at p = 4, 12 of 15 at 8).
     """
     return _played(stages, micro_batches, _zb_h1_choice)
 
@@ -215,8 +188,9 @@ def zb_h2(stages: int, micro_batches: int) -> Schedule:
     (a flush), so the idle ticks before a stage's first F and after its last W remain:
     with F = B = W the bubble equals ZB-H1's, ``(p - 1) / (3m + p - 1)``, the least any
     schedule with a flush has on that clock; where B takes longer than W (as measured by
-    ``simulate``'s ``weight_ticks``) ZB-H1's W passes no longer cover the wait for the
-    first output gradient, and ZB-H2's extra forwards do (``simulated_bubble``).
+    ``schedule_clock.simulate``'s ``weight_ticks``) ZB-H1's W passes no longer cover the
+    wait for the first output gradient, and ZB-H2's extra forwards do
+    (``schedule_clock.simulated_bubble``).
     """
     return _played(stages, micro_batches, _zb_h2_choice)
 
@@ -303,6 +277,19 @@ def _zb_h2_choice(s: int, stages: int, micro_batches: int, count: dict[str, int]
     return "W" if pending else None
 
 
+def stage_ticks(
+    stage: int, forward: float, backward: float, weight: float, *, split: bool
+) -> dict[str, float]:
+    """Ticks per kind on ``stage``: a split backward's B takes ``backward - weight`` and
+    its W ``weight``, but on the first stage (fed data, no input gradient to make) B takes
+    none and W the whole ``backward``, as the engine runs it."""
+    if not split:
+        return {"F": forward, "B": backward}
+    if stage == 0:
+        return {"F": forward, "B": 0, "W": backward}
+    return {"F": forward, "B": backward - weight, "W": weight}
+
+
 def splits_backward(schedule: Schedule) -> bool:
     """Whether the schedule splits its backward into B (input) and W (weights)."""
     return any(a.kind == "W" for actions in schedule for a in actions)
@@ -339,204 +326,6 @@ def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) 
             "schedule='1f1b' with virtual_stages > 1, or virtual_stages=1."
         )
     return interleaved_1f1b(stages, micro_batches, chunks)
-
-
-@dataclass(frozen=True)
-class Timed:
-    """An action placed on the clock: it runs during ticks ``start .. end - 1``."""
-
-    action: Action
-    start: int
-    end: int
-
-
-def _chunk_count(schedule: Schedule) -> int:
-    return 1 + max((a.chunk for actions in schedule for a in actions), default=0)
-
-
-def _check_schedule(schedule: Schedule) -> None:
-    """Every stage must run each (micro-batch, chunk) forward and backward (and, where the
-    backward is split, weight pass) exactly once."""
-    if not schedule:
-        raise ScheduleError("a schedule needs at least one stage.")
-    expected: set[tuple[int, int]] | None = None
-    kinds = ("F", "B", "W") if splits_backward(schedule) else ("F", "B")
-    for stage, actions in enumerate(schedule):
-        for kind in kinds:
-            keys = [(a.micro, a.chunk) for a in actions if a.kind == kind]
-            if len(set(keys)) != len(keys):
-                raise ScheduleError(f"stage {stage} runs some {kind} action twice.")
-            if expected is None:
-                expected = set(keys)
-            elif set(keys) != expected:
-                raise ScheduleError(
-                    f"stage {stage} runs {kind} for micro-batches/chunks {sorted(keys)}, "
-                    f"but the schedule needs exactly {sorted(expected)}."
-                )
-
-
-def stage_ticks(
-    stage: int, forward: float, backward: float, weight: float, *, split: bool
-) -> dict[str, float]:
-    """Ticks per kind on ``stage``: a split backward's B takes ``backward - weight`` and
-    its W ``weight``, but on the first stage (fed data, no input gradient to make) B takes
-    none and W the whole ``backward``, as the engine runs it."""
-    if not split:
-        return {"F": forward, "B": backward}
-    if stage == 0:
-        return {"F": forward, "B": 0, "W": backward}
-    return {"F": forward, "B": backward - weight, "W": weight}
-
-
-def _action_ticks(schedule: Schedule, forward: int, backward: int, weight: int) -> dict:
-    """Ticks per kind (checked), to be shared out per stage by ``stage_ticks``."""
-    for name, value in (("forward_ticks", forward), ("backward_ticks", backward)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be a positive integer, not {value!r}.")
-    if not splits_backward(schedule):
-        return {"forward": forward, "backward": backward, "weight": 0}
-    if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight < backward:
-        raise ScheduleError(
-            f"a split backward needs 1 <= weight_ticks < backward_ticks ({backward}), not "
-            f"{weight!r}; give backward_ticks of at least 2."
-        )
-    return {"forward": forward, "backward": backward, "weight": weight}
-
-
-def simulate(
-    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 1, weight_ticks: int = 1
-) -> list[list[Timed]]:
-    """Place every action on an integer clock, each as early as its stage and inputs allow.
-
-    ``backward_ticks`` is the whole backward; a schedule that splits it runs B for
-    ``backward_ticks - weight_ticks`` and W for ``weight_ticks`` (on its first stage B
-    for none and W for all of it: ``stage_ticks``), so that schedules with and without
-    the split compare on one clock. Raises ``ScheduleDeadlock`` naming the
-    stuck stages when no stage can make progress.
-    """
-    given = _action_ticks(schedule, forward_ticks, backward_ticks, weight_ticks)
-    split = splits_backward(schedule)
-    ticks = [stage_ticks(s, **given, split=split) for s in range(len(schedule))]
-    placed = place_actions(schedule, lambda stage, action: ticks[stage][action.kind], hop=0)
-    return [[Timed(action, start, end) for action, start, end in slots] for slots in placed]
-
-
-Dependency = tuple[str, int, int]
-"""``(kind, virtual stage, micro-batch)`` of a pass another pass waits for."""
-
-
-def dependencies(stage: int, action: Action, stages: int, virtual: int) -> list[Dependency]:
-    """What ``action`` on ``stage`` waits for (see the module docstring), among
-    ``virtual`` virtual stages over ``stages`` devices."""
-    j = action.chunk * stages + stage
-    if action.kind == "F":
-        return [("F", j - 1, action.micro)] if j > 0 else []
-    if action.kind == "W":
-        return [("B", j, action.micro)]
-    after = [("B", j + 1, action.micro)] if j < virtual - 1 else []
-    return [*after, ("F", j, action.micro)]
-
-
-def place_actions(
-    schedule: Schedule, length: Callable[[int, Action], float], *, hop: float
-) -> list[list[tuple[Action, float, float]]]:
-    """Every action as ``(action, start, end)``, each as early as its stage and inputs
-    allow: ``length(stage, action)`` long, and ``hop`` after an input made on another
-    device (virtual stage ``j`` sits on device ``j % stages``). Integer lengths and hop
-    give integer times (``simulate``'s clock); ``replay`` gives seconds. Raises
-    ``ScheduleDeadlock`` naming the stuck stages when no stage can make progress, and
-    ``ScheduleError`` on lists that do not run every pass exactly once."""
-    _check_schedule(schedule)
-    stages = len(schedule)
-    virtual = stages * _chunk_count(schedule)
-    done: dict[Dependency, float] = {}  # (kind, virtual stage, micro) -> end
-    placed: list[list[tuple[Action, float, float]]] = [[] for _ in range(stages)]
-    free: list[float] = [0] * stages
-    progress = True
-    while progress:
-        progress = False
-        for stage, actions in enumerate(schedule):
-            while len(placed[stage]) < len(actions):
-                action = actions[len(placed[stage])]
-                deps = dependencies(stage, action, stages, virtual)
-                if any(dep not in done for dep in deps):
-                    break
-                arrivals = [done[dep] + (hop if dep[1] % stages != stage else 0) for dep in deps]
-                start = max([free[stage], *arrivals])
-                end = start + length(stage, action)
-                placed[stage].append((action, start, end))
-                done[(action.kind, action.chunk * stages + stage, action.micro)] = end
-                free[stage] = end
-                progress = True
-    _raise_if_stuck(schedule, placed, virtual // stages)
-    return placed
-
-
-def _raise_if_stuck(schedule: Schedule, placed: list[list], chunks: int) -> None:
-    stuck = [
-        f"stage {stage} at {actions[len(placed[stage])].label(chunks=chunks)}"
-        for stage, actions in enumerate(schedule)
-        if len(placed[stage]) < len(actions)
-    ]
-    if stuck:
-        raise ScheduleDeadlock(
-            "the schedule cannot complete: "
-            + ", ".join(stuck)
-            + " wait for inputs that are scheduled only after them."
-        )
-
-
-def clock_table(
-    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 1, weight_ticks: int = 1
-) -> list[str]:
-    """One row per stage, one cell per tick (see the module docstring for the format)."""
-    placed = simulate(
-        schedule,
-        forward_ticks=forward_ticks,
-        backward_ticks=backward_ticks,
-        weight_ticks=weight_ticks,
-    )
-    chunks = _chunk_count(schedule)
-    makespan = max(slot.end for slots in placed for slot in slots)
-    rows: list[list[str]] = []
-    for slots in placed:
-        cells = ["."] * makespan
-        for slot in slots:
-            cells[slot.start : slot.end] = [slot.action.label(chunks=chunks)] * (
-                slot.end - slot.start
-            )
-        rows.append(cells)
-    width = max(len(cell) for cells in rows for cell in cells)
-    return [" ".join(cell.ljust(width) for cell in cells).rstrip() for cells in rows]
-
-
-def simulated_bubble(
-    schedule: Schedule, *, forward_ticks: int = 1, backward_ticks: int = 2, weight_ticks: int = 1
-) -> float:
-    """Idle fraction of all stage-ticks until the last action ends.
-
-    For GPipe and 1F1B this equals the textbook ``(p - 1) / (m + p - 1)``.
-    """
-    placed = simulate(
-        schedule,
-        forward_ticks=forward_ticks,
-        backward_ticks=backward_ticks,
-        weight_ticks=weight_ticks,
-    )
-    makespan = max(slot.end for slots in placed for slot in slots)
-    busy = sum(slot.end - slot.start for slots in placed for slot in slots)
-    return (len(placed) * makespan - busy) / (len(placed) * makespan)
-
-
-def timed_bubble(schedule: Schedule, times: dict[str, float], resolution: int = 20) -> float:
-    """``simulated_bubble`` with the mean seconds of a forward, an input-gradient B and a
-    weight W (``times``: ``forward``, ``backward``, ``weight``), as whole ticks, the
-    longest ``resolution`` ticks (at least one each); the idle time per stage is this
-    fraction of the makespan."""
-    t = [times["forward"], times["backward"], times["weight"]]
-    longest = max(t) if max(t) > 0 else 1.0
-    f, b, w = (max(1, round(resolution * x / longest)) for x in t)
-    return simulated_bubble(schedule, forward_ticks=f, backward_ticks=b + w, weight_ticks=w)
 
 
 def max_in_flight(schedule: Schedule) -> list[int]:

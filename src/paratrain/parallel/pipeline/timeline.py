@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from paratrain.parallel.pipeline.schedules import SPLIT_SCHEDULES, timed_bubble, zb_h2
+from paratrain.parallel.pipeline.schedule_clock import timed_bubble
+from paratrain.parallel.pipeline.schedules import SPLIT_SCHEDULES, zb_h2
 
 __all__ = [
     "StageEvent",
