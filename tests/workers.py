@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tests import user_layers
+
 
 def rank_and_tensor(scale: float) -> dict:
     """Return tensors and plain values so the test can check they come back intact."""
@@ -85,6 +87,8 @@ def parity_model(kind: str):
         return LateParameter()
     if kind == "frozen":
         return frozen_layers()
+    if kind in user_layers.KINDS:
+        return user_layers.build(kind)
     raise ValueError(kind)
 
 
