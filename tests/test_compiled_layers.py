@@ -94,6 +94,27 @@ def test_data_and_tensor_parallel_train_a_compiled_model_as_the_plain_loop():
     check(runs, paratrain.launch(compiled_workers.compiled_runs_worker, devices=2, args=args)[0])
 
 
+@pytest.mark.slow
+def test_the_planner_measures_a_model_compiled_whole():
+    """``paratrain.plan`` on ``torch.compile(model)``: the wrapper is no layer list, so the
+    planner measures it cut before every block of its ``_orig_mod``, whose first block (a
+    Flatten) holds no state; every pipeline layout gets its costs (before, the measurement
+    failed with torch's "Cannot copy out of meta tensor")."""
+    model = compiled_workers.compiled("mlp", "whole", "eager")
+    x, y = workers.parity_batches("mlp")[0]
+    plan = paratrain.plan(
+        model,
+        devices=2,
+        global_batch=16,
+        memory_per_device="1GiB",
+        optimizer=workers.parity_optimizer("adam"),
+        loss_fn=loss_for("mlp"),
+        sample=(x, y),
+        strategy="pipeline",
+    )
+    assert plan.strategy == "pipeline" and "cannot run" not in plan.table()
+
+
 def test_the_ledger_hook_leaves_a_compiled_layer_whole():
     """A forward and backward of the mlp, its Linear modules compiled in place, inside the
     ledger's recording (as every engine meters its passes): no graph break, and the hook

@@ -21,9 +21,10 @@ import torch
 
 import paratrain
 import paratrain.losses  # noqa: F401  (test_hf_models.plain_loop reads it)
+from paratrain.parallel.piece_runs import PieceRuns
 from paratrain.parallel.pipeline.partition import PartitionError
-from paratrain.parallel.pipeline.split_points import plan_stages, valid_split_points
-from tests import hf_workers, split_workers
+from paratrain.parallel.pipeline.split_points import every_block, plan_stages, valid_split_points
+from tests import hf_workers, split_workers, user_layers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 
@@ -57,6 +58,18 @@ def test_a_bad_split_point_is_refused_with_the_valid_names():
         plan_stages(model, 3, ["blocks.1"])
     with pytest.raises(PartitionError, match="increasing order"):
         plan_stages(model, 3, ["blocks.2", "blocks.1"])
+
+
+def test_a_piece_without_state_is_measured_and_cut():
+    """A block container whose first block holds no state (the parity mlp's Flatten): the
+    planner's cut before every block makes that piece (before, its setup moved the whole
+    model to meta and failed with torch's "Cannot copy out of meta tensor"), and a cut at
+    the next block leaves the first stage nothing of its own but still plans."""
+    wrapped = user_layers.build("wrapped")
+    assert plan_stages(wrapped, 2, ["body.1"]).owner["body.1.weight"] == 1
+    assert every_block(wrapped, "body").starts == [0, 1, 2, 3, 4, 5]
+    runs = PieceRuns(wrapped, "body", torch.device("cpu"))  # makes the Flatten's piece
+    assert [type(block).__name__ for block in runs.blocks][:2] == ["Flatten", "Linear"]
 
 
 @pytest.mark.slow

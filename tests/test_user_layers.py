@@ -52,3 +52,21 @@ def test_parametrized_and_in_place_layers_train_as_the_plain_loop_under_every_sc
         assert error <= TOLERANCE, f"{label}: relative error {error:.2e}"
         if "zb" in options.get("schedule", "") and not options.get("recompute"):
             assert [rank[index][1] for rank in results] == [[], []], label
+
+
+@pytest.mark.slow
+def test_a_stage_holding_only_stateless_layers_trains_as_the_plain_loop():
+    """A model that is no layer list, cut at ``body.1``: the first stage holds a Flatten
+    alone. Its forward still runs the model and the blocks' container (they walk the
+    blocks on every stage); before, the setup moved the whole model to meta there and
+    failed with torch's "Cannot copy out of meta tensor". 1F1B and ZB-H1, Adam."""
+    runs = [
+        ("wrapped", "adam", {**PIPELINE, "schedule": schedule, "split_points": ["body.1"]})
+        for schedule in ("1f1b", "zb-h1")
+    ]
+    results = paratrain.launch(user_layers.pipeline_worker, devices=2, args=(runs,))
+    model, batches = workers.parity_model("wrapped"), workers.parity_batches("mlp")
+    plain = workers.plain_loop_state(model, "adam", batches, loss_for("mlp"))
+    for (_, _, options), (state, _) in zip(runs, results[0], strict=True):
+        error = relative_error(state, plain)
+        assert error <= TOLERANCE, f"{options}: relative error {error:.2e}"

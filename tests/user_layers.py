@@ -40,9 +40,29 @@ class InPlaceBlock(torch.nn.Module):
         return out
 
 
-def build(kind: str) -> torch.nn.Sequential:
-    """The layer list ``kind`` (one of ``KINDS``), identical from the seed."""
+class Wrapped(torch.nn.Module):
+    """The parity mlp (Flatten, Linear, ReLU, ...) inside a model that is no layer list:
+    the pipeline cuts it at named blocks of ``body``, and a cut at ``body.1`` leaves the
+    first stage a Flatten alone, no state of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            *(torch.nn.Linear(a, b) for a, b in ((12, 24), (24, 24), (24, 5))),
+        )
+        for index, relu in ((2, torch.nn.ReLU()), (4, torch.nn.ReLU())):
+            self.body.insert(index, relu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def build(kind: str) -> torch.nn.Module:
+    """The model ``kind`` (one of ``KINDS``, or ``wrapped``), identical from the seed."""
     torch.manual_seed(1234)
+    if kind == "wrapped":
+        return Wrapped()
     if kind == "inplace":
         blocks = [InPlaceBlock() for _ in range(3)]
         return torch.nn.Sequential(torch.nn.Linear(12, 24), *blocks, torch.nn.Linear(24, 5))

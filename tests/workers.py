@@ -87,7 +87,7 @@ def parity_model(kind: str):
         return LateParameter()
     if kind == "frozen":
         return frozen_layers()
-    if kind in user_layers.KINDS:
+    if kind in (*user_layers.KINDS, "wrapped"):
         return user_layers.build(kind)
     raise ValueError(kind)
 

@@ -143,7 +143,7 @@ def _held_apart(
         held = owners.get(name, set())
         if not held:
             return  # no state: runs for real wherever it is called
-        if held.isdisjoint(mine):
+        if held.isdisjoint(mine) and not _encloses(name, plan.container):
             foreign[name] = module
         elif len(mine) > 1 and len(held) == 1:
             switched[name] = (module, next(iter(held)))
@@ -153,6 +153,13 @@ def _held_apart(
 
     visit("", model)
     return foreign, switched
+
+
+def _encloses(name: str, container: str) -> bool:
+    """Whether module ``name`` is the blocks' container or holds it (the model itself is
+    ""): its forward walks the blocks, so it runs on every stage, even one that holds
+    none of its state (a first piece of a Flatten alone, as the planner measures)."""
+    return not name or name == container or container.startswith(f"{name}.")
 
 
 def shape_twins(model: nn.Module, plan: StagePlan, pieces: list[int]) -> dict[str, nn.Module]:
