@@ -11,10 +11,13 @@ from tests import tp_workers, workers
 
 def compiled(kind: str, how: str, backend: str) -> torch.nn.Module:
     """``tp_workers.build(kind)`` (the parity mlp, or the tensor suite's gpt) compiled the
-    ways users do: whole (``torch.compile(model)``), each layer of a layer list wrapped
+    ways users do (``how``; "not": left uncompiled): whole (``torch.compile(model)``), each
+    layer of a layer list wrapped
     (``torch.compile(layer)``, an ``OptimizedModule``), or each module that owns
     parameters compiled in place (``module.compile()``, names unchanged)."""
     model = tp_workers.build(kind)
+    if how == "not":
+        return model
     if how == "whole":
         return torch.compile(model, backend=backend)
     if how == "wrapped":
@@ -55,3 +58,23 @@ def compiled_runs_worker(runs: list[tuple[str, str, str, dict]], backend: str) -
         torch._dynamo.reset()
         states.append(train_compiled(kind, how, optimizer, backend, **options))
     return states
+
+
+def half_run_worker(how: str, options: dict, path: str, resume: bool) -> dict:
+    """The parity mlp compiled ``how`` (backend "eager") under ``options``: the first 5 of
+    the 10 parity steps, saved to ``path``; or (``resume``) loaded from ``path`` and the
+    last 5. The final state, its names unwrapped."""
+    engine = paratrain.setup(
+        compiled("mlp", how, "eager"),
+        optimizer=workers.parity_optimizer("adam"),
+        loss_fn=loss_for("mlp"),
+        **options,
+    )
+    batches = tp_workers.batches("mlp")
+    if resume:
+        engine.load_checkpoint(path)
+    for x, y in batches[5:] if resume else batches[:5]:
+        engine.train_step(x, y)
+    if not resume:
+        engine.save_checkpoint(path)
+    return unwrapped(engine.state_dict())

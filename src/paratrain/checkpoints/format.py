@@ -30,7 +30,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,8 @@ class Checkpoint:
         self.manifest = read_manifest(self.directory)
         self._handles: dict[str, Any] = {}
         self._index: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
+        self._stored: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
+        """Per kind, a name presented otherwise than stored -> its stored name."""
         for name, entry in self.manifest["files"].items():
             self._handles[name] = self._verified_handle(name, entry)
             for key in self._handles[name].keys():
@@ -239,6 +241,24 @@ class Checkpoint:
         except Exception as error:  # safetensors raises its own error types
             raise CheckpointError(f"{path} is not a readable safetensors file: {error}.") from None
 
+    def present_names(self, rename: Callable[[str], str]) -> None:
+        """From now on, answer to ``rename(stored)`` for each model and optimizer tensor's
+        stored name, in the optimizer's parameter groups and the tied aliases too: a model
+        compiled by torch.compile names its tensors with ``_orig_mod.`` where the same model
+        uncompiled does not, and either loads the other's checkpoint
+        (``wrapper_names.renaming_for``). Called once, before any read."""
+        for kind in ("model", "optim"):
+            index, stored = {}, {}
+            for name, file in self._index[kind].items():
+                shown = rename(name)
+                index[shown] = file
+                if shown != name:
+                    stored[shown] = name
+            self._index[kind], self._stored[kind] = index, stored
+        self.aliases = {rename(a): rename(c) for a, c in self.aliases.items()}
+        for group in (self.manifest.get("optimizer") or {}).get("param_groups", []):
+            group["params"] = [rename(name) for name in group["params"]]
+
     @property
     def step(self) -> int:
         return int(self.manifest.get("step", 0))
@@ -263,7 +283,7 @@ class Checkpoint:
         file = self._index[kind].get(name)
         if file is None:
             raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file].get_tensor(self._stored[kind].get(name, name))
 
     def shape(self, kind: str, name: str) -> tuple[int, ...]:
         """A tensor's shape, read from the file's header without loading the tensor."""
@@ -272,7 +292,8 @@ class Checkpoint:
         file = self._index[kind].get(name)
         if file is None:
             raise CheckpointError(f"{self.directory} holds no {kind} tensor named {name!r}.")
-        return tuple(self._handles[file].get_slice(name).get_shape())
+        stored = self._stored[kind].get(name, name)
+        return tuple(self._handles[file].get_slice(stored).get_shape())
 
     def tensors(
         self, kind: str, names: list[str] | None = None

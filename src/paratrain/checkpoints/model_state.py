@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from paratrain.checkpoints.dcp_read import is_dcp_folder, read_dcp_model
 from paratrain.checkpoints.format import MANIFEST, Checkpoint, CheckpointError
 from paratrain.checkpoints.locate import latest_checkpoint
+from paratrain.checkpoints.wrapper_names import ANYWHERE_WRAPPERS
 from paratrain.parallel.ties import tied_names
 
 STATE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -35,9 +36,6 @@ STATE_SUFFIXES = (".pt", ".pth", ".bin")
 
 LEADING_WRAPPERS = ("module",)
 """Wrapper segments that only ever lead a name (DataParallel, DDP; nested: module.module.)."""
-
-ANYWHERE_WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-"""Wrapper segments that may wrap any submodule; no user names a module like these."""
 
 NESTED_KEYS = ("state_dict", "model_state_dict", "model")
 """Where training scripts commonly put the model's state inside a larger saved dict."""

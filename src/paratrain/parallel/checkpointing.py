@@ -39,6 +39,7 @@ from paratrain.checkpoints.format import (
     staging_dir,
     write_shard,
 )
+from paratrain.checkpoints.wrapper_names import renaming_for
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.runtime import comm
 
@@ -214,6 +215,7 @@ def load_engine_checkpoint(engine: CheckpointHooks, directory: str | Path) -> Ch
     """Every worker calls this; each takes, by name, the state its layout now needs."""
     checkpoint = Checkpoint(directory)
     local = engine.named_local_state()
+    checkpoint.present_names(renaming_for(local))  # compiled or not, one model
     saved = set(checkpoint.names("model"))
     missing = sorted(set(local) - saved)
     if missing:

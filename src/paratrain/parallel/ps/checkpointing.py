@@ -33,6 +33,7 @@ from paratrain.checkpoints.format import (
     staging_dir,
     write_shard,
 )
+from paratrain.checkpoints.wrapper_names import renaming_for
 from paratrain.parallel.checkpointing import _python_rng, _restore_rng, write_refused
 from paratrain.parallel.model_config import with_model_config
 from paratrain.parallel.ps.protocol import Op
@@ -135,6 +136,7 @@ class ServerCheckpoints:
         """Load ``directory`` into the servers (once) and this worker's buffers and RNG."""
         checkpoint = Checkpoint(directory)
         local = set(self.model.state_dict())
+        checkpoint.present_names(renaming_for(local))  # compiled or not, one model
         saved = set(checkpoint.names("model"))
         if local - saved or saved - local:
             odd = sorted((local - saved) or (saved - local))

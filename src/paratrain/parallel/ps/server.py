@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoints.format import Checkpoint, CheckpointError, write_shard
+from paratrain.checkpoints.wrapper_names import renaming_for
 from paratrain.parallel.optim_state import load_named_optimizer_state, named_optimizer_state
 from paratrain.parallel.ps import jobkeys
 from paratrain.parallel.ps.backup import quorum
@@ -472,6 +473,7 @@ class ShardServer:
         while not self.seeded:
             self.lock.wait(timeout=_POLL_S)
         checkpoint = Checkpoint(request["path"])
+        checkpoint.present_names(renaming_for(self.params))  # compiled or not, one model
         saved = set(checkpoint.names("model"))
         missing = sorted(set(self.params) - saved)
         if missing:
