@@ -1,14 +1,16 @@
-"""torch.compile'd models and layers: trained exactly under every pipeline schedule, the
-zero-bubble ones included, and under dp and ZeRO 1-3, and not broken into pieces by the
-memory ledger's hook.
+"""torch.compile'd models and layers: trained exactly under every pipeline schedule (the
+zero-bubble ones included), dp, ZeRO 1-3 and tp; resumed from a checkpoint with compile
+turned on or off; and not broken into pieces by the memory ledger's hook.
 
-Two defects this guards (``pipeline/split_backward_limits``, ``runtime/memory``): under ZB-H1
-and ZB-H2 a stage of ``torch.compile(layer)`` layers raised at its first B (inductor
-compiles a region's backward with donated buffers, which cannot run twice, and B keeps the
-graph for W); and under ``layer.compile()`` dynamo traced the ledger's saved-tensor hook,
-breaking the compiled graph at each of its calls and recompiling until its limit.
+The defects these guard, each failing before its fix: under ZB-H1 and ZB-H2 a stage of
+``torch.compile(layer)`` layers raised at its first B (inductor compiles a region's
+backward with donated buffers, which cannot run twice, and B keeps the graph for W:
+``pipeline/split_backward_limits``); under ``module.compile()`` dynamo traced the ledger's
+saved-tensor hook, breaking the compiled graph at its calls (``runtime/memory``); and a
+checkpoint saved with compile on was refused with it off, and the reverse
+(``checkpoints/wrapper_names``).
 
-Tolerance: the suite's (``TOLERANCE``, 1e-5 relative per parameter). The pipeline runs the
+Tolerance: the suite's (``TOLERANCE``, 1e-5 relative per parameter). The engines run the
 same products as the plain loop; inductor's kernels sum in their own order (about 1e-7
 relative per fp32 step, measured 1.3e-7 after 10 Adam steps), as an all-reduce does.
 """
@@ -32,7 +34,6 @@ NO_COMPILER = not (os.environ.get("CXX") or shutil.which("g++") or shutil.which(
 needs_inductor = pytest.mark.skipif(
     NO_COMPILER, reason="inductor compiles C++ on the CPU: no g++, clang++ or $CXX here"
 )
-
 
 TWO_STAGES = {"stages": 2, "micro_batches": 4}
 
@@ -92,27 +93,6 @@ def test_data_and_tensor_parallel_train_a_compiled_model_as_the_plain_loop():
     runs += [("gpt", how, "adam", {"strategy": "tp"}) for how in ("whole", "in place")]
     args = (runs, "inductor")
     check(runs, paratrain.launch(compiled_workers.compiled_runs_worker, devices=2, args=args)[0])
-
-
-@pytest.mark.slow
-def test_the_planner_measures_a_model_compiled_whole():
-    """``paratrain.plan`` on ``torch.compile(model)``: the wrapper is no layer list, so the
-    planner measures it cut before every block of its ``_orig_mod``, whose first block (a
-    Flatten) holds no state; every pipeline layout gets its costs (before, the measurement
-    failed with torch's "Cannot copy out of meta tensor")."""
-    model = compiled_workers.compiled("mlp", "whole", "eager")
-    x, y = workers.parity_batches("mlp")[0]
-    plan = paratrain.plan(
-        model,
-        devices=2,
-        global_batch=16,
-        memory_per_device="1GiB",
-        optimizer=workers.parity_optimizer("adam"),
-        loss_fn=loss_for("mlp"),
-        sample=(x, y),
-        strategy="pipeline",
-    )
-    assert plan.strategy == "pipeline" and "cannot run" not in plan.table()
 
 
 RESUMES = [

@@ -59,7 +59,7 @@ def check(options: list[dict], results: list[tuple[dict, list]], devices: int) -
             assert torch.equal(state[frozen], built[frozen]), f"{label}: {frozen} moved"
 
 
-def launch(options: list[dict], devices: int) -> list[tuple[dict, list]]:
+def trained_at(options: list[dict], devices: int) -> list[tuple[dict, list]]:
     runs = [(option, name) for option in options for name in OPTIMIZERS]
     cases = [("frozen", name, 1) for _, name in runs]
     args = (cases, [option for option, _ in runs])
@@ -73,7 +73,7 @@ def test_every_strategy_leaves_frozen_parameters_as_the_plain_loop():
     options = [{"strategy": s} for s in ("dp", "zero1", "zero2", "zero3", "tp")]
     options += [{**PIPELINE, **schedule} for schedule in SCHEDULES.values()]
     options += [{**PIPELINE, "schedule": "zb-h1", "recompute": True}]
-    check(options, launch(options, 2), 2)
+    check(options, trained_at(options, 2), 2)
 
 
 @pytest.mark.slow
@@ -81,4 +81,4 @@ def test_replicated_stages_and_four_way_sharding_leave_frozen_parameters():
     """4 workers: zero3 sharded four ways, and 2 replicas of 2 stages under ZB-H2 (the
     replicas' bucketed reduction built from the trained parameters only)."""
     options = [{"strategy": "zero3"}, {**PIPELINE, "schedule": "zb-h2"}]
-    check(options, launch(options, 4), 4)
+    check(options, trained_at(options, 4), 4)

@@ -21,10 +21,11 @@ import torch
 
 import paratrain
 import paratrain.losses  # noqa: F401  (test_hf_models.plain_loop reads it)
+from paratrain.models import loss_for
 from paratrain.parallel.piece_runs import PieceRuns
 from paratrain.parallel.pipeline.partition import PartitionError
 from paratrain.parallel.pipeline.split_points import every_block, plan_stages, valid_split_points
-from tests import hf_workers, split_workers, user_layers
+from tests import hf_workers, split_workers, user_layers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
 
 
@@ -70,6 +71,25 @@ def test_a_piece_without_state_is_measured_and_cut():
     assert every_block(wrapped, "body").starts == [0, 1, 2, 3, 4, 5]
     runs = PieceRuns(wrapped, "body", torch.device("cpu"))  # makes the Flatten's piece
     assert [type(block).__name__ for block in runs.blocks][:2] == ["Flatten", "Linear"]
+
+
+@pytest.mark.slow
+def test_the_planner_prices_every_pipeline_layout_of_a_model_with_a_stateless_first_block():
+    """``paratrain.plan`` measures such a model cut before every block, the Flatten's
+    piece included (before, that measurement failed on a meta tensor), and prices every
+    pipeline layout."""
+    x, y = workers.parity_batches("mlp")[0]
+    plan = paratrain.plan(
+        user_layers.build("wrapped"),
+        devices=2,
+        global_batch=16,
+        memory_per_device="1GiB",
+        optimizer=workers.parity_optimizer("adam"),
+        loss_fn=loss_for("mlp"),
+        sample=(x, y),
+        strategy="pipeline",
+    )
+    assert plan.strategy == "pipeline" and "cannot run" not in plan.table()
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
-"""Layer lists of the kinds users write that the zero-bubble W's unit proof must see
-through (``workers.parity_model`` builds them by name).
+"""Models of the kinds users write that the pipeline must see through
+(``workers.parity_model`` builds them by name): layer lists whose weights and values the
+zero-bubble W's unit proof must follow, and a model cut at named blocks whose first block
+holds no state (``wrapped``, the ``Wrapped`` class below).
 
 - ``weight_norm``: two Linears under ``torch.nn.utils.parametrizations.weight_norm``: the
   weight a module uses is computed in its forward from two parameters that a submodule
@@ -49,10 +51,12 @@ class Wrapped(torch.nn.Module):
         super().__init__()
         self.body = torch.nn.Sequential(
             torch.nn.Flatten(),
-            *(torch.nn.Linear(a, b) for a, b in ((12, 24), (24, 24), (24, 5))),
+            torch.nn.Linear(12, 24),
+            torch.nn.ReLU(),
+            torch.nn.Linear(24, 24),
+            torch.nn.ReLU(),
+            torch.nn.Linear(24, 5),
         )
-        for index, relu in ((2, torch.nn.ReLU()), (4, torch.nn.ReLU())):
-            self.body.insert(index, relu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
