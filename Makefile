@@ -90,6 +90,7 @@ bench: install
 	$(RUN_PYTHON) benchmarks/stale_adam.py
 	$(RUN_PYTHON) benchmarks/bench_memory.py
 	$(RUN_PYTHON) benchmarks/largest_gpt.py
+	$(RUN_PYTHON) benchmarks/launch_start.py
 
 # Leaves the project's virtual environment (a reinstall takes minutes); distclean removes it.
 clean:

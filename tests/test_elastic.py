@@ -145,23 +145,24 @@ def test_a_replacement_joins_and_the_run_ends_at_four_workers(
     tmp_path, monkeypatch, uninterrupted, capfd
 ):
     """Worker 1 dies in step 2; the launcher starts worker 4 (--max-restarts 1); worker 0
-    holds step 4 until worker 4 is ready, so it joins at the boundary after step 4."""
+    holds step 4 until worker 4 is ready, so it joins at a boundary after step 2 (the
+    redone step) and no later than after step 4: where, depends on how soon it is ready
+    (a forked worker is ready in milliseconds, a spawned one imports torch first)."""
     monkeypatch.setenv("PARATRAIN_FAULT", "kill:1:2:forward,hold:0:4")
     run_dir = tmp_path / "grow"
     flags = ("--devices", "4", "--elastic", "--min-devices", "2", "--max-restarts", "1")
     assert train(run_dir, *flags) == 0
     changes = records(run_dir, "workers")
-    assert [(c["step"], c["old_workers"], c["new_workers"]) for c in changes] == [
-        (2, 4, 3),
-        (4, 3, 4),
-    ]
+    assert [(c["old_workers"], c["new_workers"]) for c in changes] == [(4, 3), (3, 4)]
+    lost, joined = (c["step"] for c in changes)
+    assert lost == 2 and 2 <= joined <= 4, (lost, joined)
     assert [(c["lost_ranks"], c["joined_ranks"]) for c in changes] == [([1], []), ([], [4])]
     assert [c["steps_redone"] for c in changes] == [1, 0]
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
     assert len(records(run_dir, "memory")) == 4  # the memory records of the final group
     out = capfd.readouterr()
     assert (
-        "worker 4 joined after step 4; 4 workers go on (3 before) (no step redone"
+        f"worker 4 joined after step {joined}; 4 workers go on (3 before) (no step redone"
         in out.err + out.out
     )
     assert "mlp on synthetic, strategy dp, 4 -> 3 -> 4 worker(s)" in out.out

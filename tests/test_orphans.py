@@ -4,7 +4,8 @@ A worker left behind by a launcher killed with ``kill -9`` once lived on, repare
 holding ~230 MB, until its rendezvous timed out (300 s by default): the parent-death
 signal was asked for only once torch had loaded. ``runtime/parent_death.py`` arms it on
 importing ``paratrain``, before torch, and a worker whose launcher died even earlier
-exits as soon as it sees it.
+exits as soon as it sees it. Workers forked from the launcher's forkserver
+(``runtime/worker_start.py``) die with the server, which dies with the launcher.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from paratrain.runtime.parent_death import EXIT_ORPHANED, LAUNCHER_PID_ENV
+from paratrain.runtime.worker_start import START_METHOD_ENV
+from tests.processes import command, descendants, launched_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
@@ -35,22 +38,6 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _spawned_workers(launcher: int) -> list[int]:
-    """The launcher's children started by multiprocessing's spawn."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            command = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat.rsplit(")", 1)[1].split()[1] == str(launcher) and b"spawn_main" in command:
-            found.append(int(entry))
-    return found
-
-
 def _loading_torch(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -58,9 +45,21 @@ def _loading_torch(pid: int) -> bool:
         return False
 
 
+def _moment_came(launcher: int, moment: str, run: Path) -> bool:
+    if moment == "importing torch":  # the spawned workers, or the forkserver for its forks
+        return any(_loading_torch(pid) for pid in descendants(launcher))
+    return len(launched_workers(launcher)) == 2 and (run / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
-def test_kill_9_of_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("moment", ["importing torch", "training"])
+def test_kill_9_of_the_launcher_leaves_no_process_of_its_own(tmp_path, method, moment):
+    """kill -9 of the launcher while its processes import torch (the spawned workers, or
+    the forkserver, which imports it once for the workers it forks) or once its workers
+    train: every process below it dies; forked workers through the server, which dies
+    with the launcher (a server that lived on would keep them alive, and them it)."""
     run = tmp_path / "run"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--dataset",
@@ -68,27 +67,30 @@ def test_kill_9_of_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
          "--run-dir", str(run)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=ENV,
+        env={**ENV, START_METHOD_ENV: method},
         start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        workers: list[int] = []
-        while not (len(workers) == 2 and any(_loading_torch(pid) for pid in workers)):
-            assert launcher.poll() is None, "the launcher ended before its workers started"
-            assert time.monotonic() < deadline, "the workers did not start in time"
-            workers = _spawned_workers(launcher.pid)
+        while not _moment_came(launcher.pid, moment, run):
+            assert launcher.poll() is None, "the launcher ended before the moment came"
+            assert time.monotonic() < deadline, f"the launcher was not {moment} in time"
             time.sleep(0.02)
+        left = descendants(launcher.pid)
+        workers = launched_workers(launcher.pid)
         launcher.kill()  # kill -9: the launcher can stop nobody
         launcher.wait()
-        assert not (run / "metrics.jsonl").exists(), "the kill came after training began"
+        if moment == "importing torch":
+            assert not (run / "metrics.jsonl").exists(), "the kill came after training began"
+        else:
+            assert len(workers) == 2 and set(workers) <= set(left), (workers, left)
         deadline = time.monotonic() + GONE_WITHIN_S
         while time.monotonic() < deadline:
-            if all(_state(pid) in (None, "Z") for pid in workers):  # a zombie holds no memory
+            if all(_state(pid) in (None, "Z") for pid in left):  # a zombie holds no memory
                 break
             time.sleep(0.1)
-        survivors = [pid for pid in workers if _state(pid) not in (None, "Z")]
-        assert not survivors, f"worker(s) {survivors} outlived the launcher"
+        survivors = [command(pid) for pid in left if _state(pid) not in (None, "Z")]
+        assert not survivors, f"{survivors} outlived the launcher"
     finally:
         try:
             os.killpg(launcher.pid, signal.SIGKILL)  # what is left of this test's session

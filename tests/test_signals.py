@@ -20,7 +20,7 @@ import pytest
 
 from paratrain.checkpoints.format import Checkpoint
 from paratrain.runtime.signals import TerminationNotice
-from tests.processes import process_group
+from tests.processes import command, descendants, launched_workers, process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [
@@ -81,19 +81,6 @@ def _wait_for_training(metrics: Path, process: subprocess.Popen, timeout_s: floa
     raise AssertionError("the run logged no training steps in time")
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[1] == str(pid):
-                found.append(int(entry))
-    return found
-
-
 def _gone(pids: list[int], timeout_s: float = 10) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -138,8 +125,8 @@ def test_ctrl_c_stops_every_process_with_one_line(tmp_path, progress):
     run = tmp_path / "run"
     process = _start(["--steps", "100000", "--run-dir", str(run)], progress=progress)
     _wait_for_training(run / "metrics.jsonl", process)
-    workers = _children(process.pid)
-    assert workers, "the launcher started no worker processes"
+    workers = descendants(process.pid)  # the forkserver too, where workers are forked
+    assert launched_workers(process.pid), "the launcher started no worker processes"
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
     out, err = _outcome(process, timeout_s=60, after="Ctrl-C")
     assert process.returncode == 130
@@ -150,14 +137,6 @@ def test_ctrl_c_stops_every_process_with_one_line(tmp_path, progress):
     else:
         assert err == f"{INTERRUPTED}\n", err[-3000:]
     assert _gone(workers), "a worker process outlived Ctrl-C"
-
-
-def _command(pid: int) -> str:
-    """A live process's command line (what a failed check shows), or "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-    except OSError:
-        return ""
 
 
 def test_a_worker_told_to_stop_ignores_every_later_sigterm():
@@ -189,11 +168,6 @@ def test_a_worker_never_told_to_stop_gets_sigterm_back_on_close():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _workers(launcher: int) -> list[int]:
-    """The launcher's worker processes (not multiprocessing's resource tracker)."""
-    return [pid for pid in _children(launcher) if "spawn_main" in _command(pid)]
-
-
 def _keep_signalling(pids: list[int], stop: threading.Event, every_s: float = 0.02) -> None:
     """SIGTERM each of ``pids`` every ``every_s`` until ``stop`` is set or they are gone."""
     while not stop.wait(every_s):
@@ -216,8 +190,8 @@ def test_no_ps_worker_dies_of_the_launchers_late_copy_of_the_sigterm(tmp_path):
     run = tmp_path / "run"
     process = _start(["--strategy", "ps", "--steps", "100000", "--run-dir", str(run)])
     _wait_for_training(run / "metrics.jsonl", process)
-    workers = _workers(process.pid)
-    assert len(workers) == 2, [_command(pid) for pid in _children(process.pid)]
+    workers = launched_workers(process.pid)
+    assert len(workers) == 2, [command(pid) for pid in descendants(process.pid)]
     os.killpg(process.pid, signal.SIGTERM)
     stop = threading.Event()
     copies = threading.Thread(target=_keep_signalling, args=(workers, stop), daemon=True)
@@ -260,5 +234,5 @@ def test_sigterm_to_every_process_of_a_ps_job_saves_a_checkpoint(tmp_path):
     written = sorted(p.name for p in (run / "checkpoints").glob("*"))
     assert f"checkpoint {saved}" in line, (line, written)
     assert Checkpoint(saved).step == step, (line, written)  # verified: checksums, its step
-    left = [] if _gone(everyone) else [c for c in map(_command, everyone) if c]
+    left = [] if _gone(everyone) else [c for c in map(command, everyone) if c]
     assert not left, f"a process of the job outlived it: {left}"

@@ -11,7 +11,6 @@ values, tensors included, come back intact and in rank order.
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import queue as queue_module
 import signal
@@ -38,6 +37,12 @@ from paratrain.runtime.external_job import (
 from paratrain.runtime.hang import STORE_ENV
 from paratrain.runtime.parent_death import launcher_pid_exported
 from paratrain.runtime.signals import forwarding_termination, ignore_interrupts
+from paratrain.runtime.worker_start import (
+    DeferredCall,
+    LauncherStreams,
+    prepare_worker,
+    worker_start,
+)
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("auto", "gloo", "nccl")
@@ -83,6 +88,9 @@ class _WorkerSpec:
     backend: str
     timeout_s: float
     threads: int
+    environ: dict[str, str]  # the launcher's at this launch (see worker_start)
+    server_pid: int | None  # the forkserver the workers are forked from; None: spawned
+    streams: LauncherStreams | None  # the launcher's stdout and stderr, for a forked worker
 
 
 def thread_share(devices: int) -> int:
@@ -139,14 +147,7 @@ def launch(
     if in_external_job():
         check_job_devices(devices)
         return run_in_external_job(fn, args, kwargs, backend, timeout_s, resolve_backend)
-    if devices is None:
-        devices = default_device_count()
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be a positive integer, not {devices!r}.")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
-    if not callable(fn):
-        raise TypeError("launch needs a callable as its first argument.")
+    devices = _checked_devices(fn, devices, timeout_s)
     resolved = resolve_backend(backend, devices)
     threads = threads_per_worker or thread_share(devices)
     store = dist.TCPStore(
@@ -157,14 +158,16 @@ def launch(
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
     )
-    spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads)
-    ctx = mp.get_context("spawn")
-    results_queue = ctx.Queue()
+    with launcher_pid_exported():  # a forkserver started now dies with this process
+        start = worker_start()
+    spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads, *start.for_worker)
+    call = DeferredCall(fn, tuple(args), kwargs)
+    results_queue = start.context.Queue()
 
     def process(rank: int, joining: bool = False):
-        return ctx.Process(
+        return start.context.Process(
             target=_worker_main,
-            args=(rank, spec, fn, tuple(args), kwargs, results_queue, joining),
+            args=(rank, spec, call, results_queue, joining),
             name=f"paratrain-worker-{rank}",
         )
 
@@ -195,6 +198,19 @@ def launch(
         _stop_all(processes)
         results_queue.close()
         del store
+
+
+def _checked_devices(fn: Callable[..., Any], devices: int | None, timeout_s: float) -> int:
+    """How many local workers to start; what cannot run is refused before any starts."""
+    if devices is None:
+        devices = default_device_count()
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, not {devices!r}.")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, not {timeout_s!r}.")
+    if not callable(fn):
+        raise TypeError("launch needs a callable as its first argument.")
+    return devices
 
 
 def _collect(processes: list, results_queue, store=None, spawn=None) -> list[Any]:
@@ -329,11 +345,14 @@ def _join_group(rank: int, spec: _WorkerSpec) -> None:
 
 
 def _worker_main(
-    rank: int, spec: _WorkerSpec, fn, args, kwargs, results_queue, joining: bool = False
+    rank: int, spec: _WorkerSpec, call: DeferredCall, results_queue, joining: bool = False
 ) -> None:
     """One worker: its group (a replacement joining an elastic job forms its own later,
     see ``runtime/elastic``), ``fn``, and its result or traceback on the queue."""
-    ignore_interrupts()  # dying with the launcher was armed on import (parent_death)
+    prepare_worker(
+        spec.environ, spec.server_pid, spec.streams
+    )  # what a spawned interpreter would have
+    ignore_interrupts()
     os.environ.update(
         {
             CHILD_FLAG: "1",
@@ -350,6 +369,7 @@ def _worker_main(
     try:
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
+        fn, args, kwargs = call.load()
         if not joining:
             _join_group(rank, spec)
         value = fn(*args, **kwargs)

@@ -19,6 +19,11 @@ own children, such as ps's servers, are not taken for launched workers).
 
 A launcher that died before the worker armed it is seen at once (the worker's parent is
 no longer the launcher) and the worker exits.
+
+Workers forked from ``launch``'s forkserver (see ``worker_start``) are the server's
+children, not the launcher's: the server is armed here as it imports paratrain (it
+starts with the mark), and each worker is armed to die with the server
+(``die_with_parent``), so the kernel ends both in turn.
 """
 
 from __future__ import annotations
@@ -54,18 +59,23 @@ def launcher_pid_exported() -> Iterator[None]:
 
 
 def die_with_launcher() -> None:
-    """In a process ``launch`` started: from now on, die when the launcher dies; exit now
+    """In a process ``launch`` spawned: from now on, die when the launcher dies; exit now
     if it already has. Does nothing in any other process."""
     named = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if named is None:
-        return
-    launcher = int(named)
+    if named is not None:
+        die_with_parent(int(named))
+
+
+def die_with_parent(parent: int) -> None:
+    """From now on, die when ``parent``, this process's parent, dies; exit now if it
+    already has (this process was reparented). A worker forked from ``launch``'s server
+    calls it with the server's pid (see ``worker_start``)."""
     if _ask_kernel_for_parent_death_signal():
-        _exit_if_orphaned(launcher)  # the launcher may have died before we asked
+        _exit_if_orphaned(parent)  # the parent may have died before we asked
         return
-    _exit_if_orphaned(launcher)
+    _exit_if_orphaned(parent)
     threading.Thread(
-        target=_watch, args=(launcher,), name="paratrain-launcher-watch", daemon=True
+        target=_watch, args=(parent,), name="paratrain-parent-watch", daemon=True
     ).start()
 
 
@@ -80,14 +90,14 @@ def _ask_kernel_for_parent_death_signal() -> bool:
         return False
 
 
-def _exit_if_orphaned(launcher: int) -> None:
-    if os.getppid() != launcher:
+def _exit_if_orphaned(parent: int) -> None:
+    if os.getppid() != parent:
         os._exit(EXIT_ORPHANED)
 
 
-def _watch(launcher: int) -> None:
+def _watch(parent: int) -> None:
     while True:
-        _exit_if_orphaned(launcher)
+        _exit_if_orphaned(parent)
         time.sleep(_WATCH_INTERVAL_S)
 
 

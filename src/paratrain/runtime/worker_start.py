@@ -1,0 +1,174 @@
+"""How ``launch`` starts its workers: forked from a server that has torch loaded already.
+
+Why: a worker started by multiprocessing's ``spawn`` is a fresh interpreter that imports
+torch and paratrain before it does anything, about 1.3 s of a core each: a launch of 2
+workers took 1.8 s on 2 cores before its function ran, one of 4 took 3.8 s, on every
+launch (the planner's measurements, a resumed run, each test). ``forkserver`` starts one
+server per launcher, which imports paratrain (and so torch) once; each worker is then a
+fork of it, ready in milliseconds (0.05 s for 2 workers, 0.09 s for 4, after the
+server's first start; ``benchmarks/launch_start.py``).
+
+A fork of the server is not the fresh interpreter ``spawn`` gave, so what ``spawn`` gave
+is given back in ``prepare_worker``:
+
+- The environment is the launcher's at this launch, not the server's at its start (the
+  server starts once, at the first launch; a variable set between launches must reach
+  the workers). It is in place before ``fn`` and its arguments are unpickled, so that
+  the modules imported to find ``fn`` read it (``DeferredCall``).
+- Standard output and error are the launcher's at this launch: the server's are the
+  launcher's at its start, and the launcher's may point elsewhere since (pytest's
+  capture swaps them per test; a script may send them to a log between launches).
+  ``LauncherStreams`` passes them with the worker as file descriptors.
+- Random state: torch seeds its default generator from the OS in each fresh process; a
+  fork would share the server's, and every worker would draw the same numbers.
+- Dying with the launcher (``parent_death``): a worker's parent is now the server, not
+  the launcher. The server dies with the launcher (it is started while the launcher's
+  pid is exported, so importing paratrain arms it; its loop also ends once the launcher
+  has gone) and each worker is armed to die with the server: a chain, both links in the
+  kernel.
+- A preemption signals every process of the job, the server too: a server that died of
+  it would take the workers down with it through that chain, in the middle of their
+  checkpoint. The server ignores SIGTERM (``forkserver_preload``) and each worker has
+  the default back.
+
+Where forkserver is missing (Windows), or where the process already runs a forkserver
+that this module did not start (its preload and signals are unknown), workers are
+spawned as before; ``PARATRAIN_START_METHOD=spawn`` asks for that anywhere.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
+from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import Any
+
+import torch
+
+from paratrain.runtime.parent_death import LAUNCHER_PID_ENV, die_with_parent
+
+START_METHOD_ENV = "PARATRAIN_START_METHOD"
+START_METHODS = ("forkserver", "spawn")
+PRELOAD_MODULE = "paratrain.runtime.forkserver_preload"
+_started = {"server_pid": None}  # the forkserver this module started, in this process
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """How this launch's workers start: the context, the pid of the server they are forked
+    from (None when spawned), and the environment they must see."""
+
+    context: BaseContext
+    server_pid: int | None
+    environ: dict[str, str]
+
+    @property
+    def for_worker(self) -> tuple[dict[str, str], int | None, LauncherStreams | None]:
+        """What ``prepare_worker`` takes: the environment, the server's pid, and what gives
+        a forked worker the launcher's stdout and stderr (None where spawned workers
+        inherit them)."""
+        streams = None if self.server_pid is None else LauncherStreams()
+        return self.environ, self.server_pid, streams
+
+
+def start_method() -> str:
+    """``PARATRAIN_START_METHOD`` where set, else forkserver wherever the platform has it."""
+    available = mp.get_all_start_methods()
+    named = os.environ.get(START_METHOD_ENV, "").strip()
+    if not named:
+        return "forkserver" if "forkserver" in available else "spawn"
+    if named not in START_METHODS or named not in available:
+        usable = [method for method in START_METHODS if method in available]
+        raise ValueError(
+            f"{START_METHOD_ENV}={named!r} is not a way paratrain can start workers here; "
+            f"set it to one of {', '.join(usable)}, or unset it."
+        )
+    return named
+
+
+def worker_start() -> WorkerStart:
+    """The context to start this launch's workers with, the forkserver running and armed.
+
+    Call it where the launcher's pid is exported (``launcher_pid_exported``): a server
+    started here imports paratrain with that mark and so dies with the launcher.
+    """
+    environ = {name: value for name, value in os.environ.items() if name != LAUNCHER_PID_ENV}
+    server_pid = _our_forkserver() if start_method() == "forkserver" else None
+    method = "forkserver" if server_pid is not None else "spawn"
+    return WorkerStart(mp.get_context(method), server_pid, environ)
+
+
+def _our_forkserver() -> int | None:
+    """The pid of the forkserver this module runs, started now if needed; None where the
+    process already runs one it did not start, or the server's pid cannot be read."""
+    server = getattr(forkserver, "_forkserver", None)
+    running = getattr(server, "_forkserver_pid", None)
+    if server is None or running not in (None, _started["server_pid"]):
+        return None
+    forkserver.set_forkserver_preload([PRELOAD_MODULE])
+    forkserver.ensure_running()  # restarts a server that died
+    _started["server_pid"] = getattr(server, "_forkserver_pid", None)
+    return _started["server_pid"]
+
+
+def prepare_worker(
+    start_environ: dict[str, str], server_pid: int | None, streams: LauncherStreams | None
+) -> None:
+    """In a worker, first: what a fresh interpreter would have had (see the module)."""
+    if server_pid is not None:
+        die_with_parent(server_pid)  # the server, which dies with the launcher
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it
+        if streams is not None:
+            streams.put_in_place()
+        torch.seed()
+        if "numpy.random" in sys.modules:  # imported by the server; else seeded on import
+            sys.modules["numpy.random"].seed()
+    os.environ.clear()
+    os.environ.update(start_environ)
+
+
+class LauncherStreams:
+    """The launcher's stdout and stderr (file descriptors 1 and 2) as a worker starts,
+    passed to it by multiprocessing with the worker's other descriptors."""
+
+    def __init__(self, received: tuple[Any, Any] | None = None) -> None:
+        self._received = received
+
+    def __reduce__(self) -> tuple:
+        return LauncherStreams, ((DupFd(1), DupFd(2)),)  # only while a worker starts
+
+    def put_in_place(self) -> None:
+        if self._received is None:
+            return
+        for wrapped, standard in zip(self._received, (1, 2), strict=True):
+            received = wrapped.detach()
+            os.dup2(received, standard)
+            os.close(received)
+
+
+class DeferredCall:
+    """``fn``, its args and kwargs, pickled as the worker starts (multiprocessing's own
+    pickler, so its queues and torch's shared tensors pass as before) and unpickled only
+    once ``prepare_worker`` has put the launcher's environment in place."""
+
+    def __init__(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        self._call = (fn, args, kwargs)
+        self._pickled: bytes | None = None
+
+    def __getstate__(self) -> bytes:
+        return bytes(ForkingPickler.dumps(self._call))
+
+    def __setstate__(self, pickled: bytes) -> None:
+        self._call = None
+        self._pickled = pickled
+
+    def load(self) -> tuple[Any, tuple, dict[str, Any]]:
+        if self._call is None:
+            self._call = pickle.loads(self._pickled)
+        return self._call

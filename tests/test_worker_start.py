@@ -1,0 +1,85 @@
+"""Workers forked from the launcher's forkserver get what a spawned interpreter had
+(``runtime/worker_start.py``): the launcher's environment at each launch, their own
+random numbers, their arguments' queues; and they really are forked from the server,
+which is the point (a launch that quietly spawned would pass every other test, slowly)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+import paratrain
+from paratrain.runtime.worker_start import START_METHOD_ENV
+from tests import worker_start_workers as workers
+
+METHODS = [m for m in ("forkserver", "spawn") if m in mp.get_all_start_methods()]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_launch_gives_its_workers_the_launchers_environment_of_the_moment(monkeypatch, method):
+    """The server starts once, with the environment of the first launch; a variable set
+    between launches reaches the workers, before the module of their function is
+    imported there."""
+    monkeypatch.setenv(START_METHOD_ENV, method)
+    for mark in ("first", "second"):
+        monkeypatch.setenv(workers.MARK, mark)
+        assert paratrain.launch(workers.environment_seen, devices=2) == [(mark, mark)] * 2
+
+
+def test_workers_write_to_the_launchers_stdout_and_stderr_of_the_moment(tmp_path):
+    """The server keeps the descriptors the launcher had when it started; a launcher that
+    since sent its own elsewhere (here to a file, as pytest's capture does per test) gets
+    its workers' output there."""
+    paratrain.launch(workers.say_on_both_streams, devices=1, args=("before",))
+    log = tmp_path / "log.txt"
+    saved = os.dup(1), os.dup(2)
+    with open(log, "w") as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        try:
+            paratrain.launch(workers.say_on_both_streams, devices=2, args=("logged",))
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    written = sorted(log.read_text().splitlines())
+    assert written == ["logged err 0", "logged err 1", "logged out 0", "logged out 1"]
+
+
+def test_every_worker_of_every_launch_draws_its_own_random_numbers():
+    """torch seeds its generator from the OS in each fresh interpreter; forks of one
+    server would otherwise all draw the server's numbers."""
+    draws = paratrain.launch(workers.random_draws, devices=2)
+    draws += paratrain.launch(workers.random_draws, devices=2)
+    assert len({tuple(d) for d in draws}) == 4, draws
+
+
+def test_workers_are_forked_from_one_server_that_outlives_each_launch(monkeypatch):
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver: workers are spawned")
+    first = paratrain.launch(workers.parent_pid, devices=2)
+    second = paratrain.launch(workers.parent_pid, devices=2)
+    assert len(set(first + second)) == 1 and first[0] != os.getpid(), (first, second)
+
+
+def test_spawn_when_asked_for(monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert paratrain.launch(workers.parent_pid, devices=2) == [os.getpid()] * 2
+
+
+def test_a_queue_among_the_arguments_reaches_the_workers():
+    """fn and its arguments are pickled by multiprocessing's pickler as the worker starts,
+    so what only passes to a starting process (a queue) still does."""
+    queue = mp.get_context("spawn").Queue()
+    paratrain.launch(workers.put_rank, devices=2, args=(queue,))
+    assert sorted(queue.get(timeout=10) for _ in range(2)) == [0, 1]
+
+
+def test_an_unknown_start_method_is_refused_in_one_sentence(monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match=f"{START_METHOD_ENV}='fork'.*set it to one of"):
+        paratrain.launch(workers.parent_pid, devices=2)

@@ -1,0 +1,39 @@
+"""Worker functions for test_worker_start; this module reads the environment as it is
+imported, which happens in the worker, when its function is unpickled there."""
+
+from __future__ import annotations
+
+import os
+
+MARK = "PARATRAIN_TEST_START_MARK"
+SEEN_ON_IMPORT = os.environ.get(MARK)
+
+
+def environment_seen() -> tuple[str | None, str | None]:
+    """The mark as this module's import saw it, and as the running worker sees it."""
+    return SEEN_ON_IMPORT, os.environ.get(MARK)
+
+
+def random_draws() -> list[float]:
+    import torch
+
+    return torch.rand(4).tolist()
+
+
+def parent_pid() -> int:
+    return os.getppid()
+
+
+def put_rank(queue) -> None:
+    import torch.distributed as dist
+
+    queue.put(dist.get_rank())
+
+
+def say_on_both_streams(words: str) -> None:
+    """One write a line (``print`` writes stderr's newline apart, and lines of two
+    workers could interleave)."""
+    import torch.distributed as dist
+
+    for stream, name in ((1, "out"), (2, "err")):
+        os.write(stream, f"{words} {name} {dist.get_rank()}\n".encode())
