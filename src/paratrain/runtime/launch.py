@@ -349,9 +349,8 @@ def _worker_main(
 ) -> None:
     """One worker: its group (a replacement joining an elastic job forms its own later,
     see ``runtime/elastic``), ``fn``, and its result or traceback on the queue."""
-    prepare_worker(
-        spec.environ, spec.server_pid, spec.streams
-    )  # what a spawned interpreter would have
+    # What a spawned interpreter would have had (a forked one has the server's).
+    prepare_worker(spec.environ, spec.server_pid, spec.streams)
     ignore_interrupts()
     os.environ.update(
         {

@@ -5,8 +5,8 @@ torch and paratrain before it does anything, about 1.3 s of a core each: a launc
 workers took 1.8 s on 2 cores before its function ran, one of 4 took 3.8 s, on every
 launch (the planner's measurements, a resumed run, each test). ``forkserver`` starts one
 server per launcher, which imports paratrain (and so torch) once; each worker is then a
-fork of it, ready in milliseconds (0.05 s for 2 workers, 0.09 s for 4, after the
-server's first start; ``benchmarks/launch_start.py``).
+fork of it, ready in milliseconds (0.05 s for 2 workers, 0.10 s for 4 on 2 cores,
+after the server's first start; ``benchmarks/launch_start.py``).
 
 A fork of the server is not the fresh interpreter ``spawn`` gave, so what ``spawn`` gave
 is given back in ``prepare_worker``:
