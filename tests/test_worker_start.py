@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +67,46 @@ def test_workers_are_forked_from_one_server_that_outlives_each_launch(monkeypatc
     first = paratrain.launch(workers.parent_pid, devices=2)
     second = paratrain.launch(workers.parent_pid, devices=2)
     assert len(set(first + second)) == 1 and first[0] != os.getpid(), (first, second)
+
+
+def test_a_process_the_program_forks_from_the_server_starts_as_a_fresh_one_would():
+    """Once launch runs the process's forkserver, the program's own forkserver processes
+    are forks of it too: SIGTERM has its default action there (the server ignores it),
+    and each has a torch seed of its own."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver")
+    paratrain.launch(workers.parent_pid, devices=1)
+    context = mp.get_context("forkserver")
+    queue = context.Queue()
+    for _ in range(2):
+        process = context.Process(target=workers.report_start_state, args=(queue,))
+        process.start()
+        process.join(60)
+    states = [queue.get(timeout=10) for _ in range(2)]
+    assert all(default for default, _ in states) and states[0][1] != states[1][1], states
+
+
+def test_workers_are_spawned_where_the_program_runs_a_forkserver_of_its_own(tmp_path):
+    """A forkserver paratrain did not start has unknown preloads and signals: spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "own_server.py"
+    script.write_text(
+        "import multiprocessing as mp, os, time\n"
+        "import paratrain\n"
+        "from tests.worker_start_workers import parent_pid\n"
+        "if __name__ == '__main__':\n"
+        "    own = mp.get_context('forkserver').Process(target=time.sleep, args=(0,))\n"
+        "    own.start(); own.join()\n"
+        "    print(paratrain.launch(parent_pid, devices=2) == [os.getpid()] * 2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    env.pop(START_METHOD_ENV, None)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 def test_spawn_when_asked_for(monkeypatch):

@@ -37,3 +37,12 @@ def say_on_both_streams(words: str) -> None:
 
     for stream, name in ((1, "out"), (2, "err")):
         os.write(stream, f"{words} {name} {dist.get_rank()}\n".encode())
+
+
+def report_start_state(queue) -> None:
+    """What a process forked from the server starts with: SIGTERM's action, a torch seed."""
+    import signal
+
+    import torch
+
+    queue.put((signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, torch.initial_seed()))

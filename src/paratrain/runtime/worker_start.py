@@ -9,7 +9,7 @@ fork of it, ready in milliseconds (0.05 s for 2 workers, 0.10 s for 4 on 2 cores
 after the server's first start; ``benchmarks/launch_start.py``).
 
 A fork of the server is not the fresh interpreter ``spawn`` gave, so what ``spawn`` gave
-is given back in ``prepare_worker``:
+is given back, in ``prepare_worker`` or at the fork itself (``forkserver_preload``):
 
 - The environment is the launcher's at this launch, not the server's at its start (the
   server starts once, at the first launch; a variable set between launches must reach
@@ -20,7 +20,8 @@ is given back in ``prepare_worker``:
   capture swaps them per test; a script may send them to a log between launches).
   ``LauncherStreams`` passes them with the worker as file descriptors.
 - Random state: torch seeds its default generator from the OS in each fresh process; a
-  fork would share the server's, and every worker would draw the same numbers.
+  fork would share the server's, and every worker would draw the same numbers (reseeded
+  at each fork, ``forkserver_preload``).
 - Dying with the launcher (``parent_death``): a worker's parent is now the server, not
   the launcher. The server dies with the launcher (it is started while the launcher's
   pid is exported, so importing paratrain arms it; its loop also ends once the launcher
@@ -28,8 +29,8 @@ is given back in ``prepare_worker``:
   kernel.
 - A preemption signals every process of the job, the server too: a server that died of
   it would take the workers down with it through that chain, in the middle of their
-  checkpoint. The server ignores SIGTERM (``forkserver_preload``) and each worker has
-  the default back.
+  checkpoint. The server ignores SIGTERM and each fork has the default back
+  (``forkserver_preload``).
 
 Where forkserver is missing (Windows), or where the process already runs a forkserver
 that this module did not start (its preload and signals are unknown), workers are
@@ -41,15 +42,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import signal
-import sys
 from dataclasses import dataclass
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
-
-import torch
 
 from paratrain.runtime.parent_death import LAUNCHER_PID_ENV, die_with_parent
 
@@ -121,14 +118,10 @@ def prepare_worker(
     start_environ: dict[str, str], server_pid: int | None, streams: LauncherStreams | None
 ) -> None:
     """In a worker, first: what a fresh interpreter would have had (see the module)."""
-    if server_pid is not None:
+    if server_pid is not None:  # SIGTERM and random state were reset at the fork
         die_with_parent(server_pid)  # the server, which dies with the launcher
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it
         if streams is not None:
             streams.put_in_place()
-        torch.seed()
-        if "numpy.random" in sys.modules:  # imported by the server; else seeded on import
-            sys.modules["numpy.random"].seed()
     os.environ.clear()
     os.environ.update(start_environ)
 
