@@ -1,7 +1,9 @@
 """Workers forked from the launcher's forkserver get what a spawned interpreter had
-(``runtime/worker_start.py``): the launcher's environment at each launch, their own
-random numbers, their arguments' queues; and they really are forked from the server,
-which is the point (a launch that quietly spawned would pass every other test, slowly)."""
+(``runtime/worker_start.py``): the launcher's environment and standard streams at each
+launch, their own random numbers, their arguments' queues; a process the program itself
+forks from that server starts fresh too, and a forkserver the program runs of its own
+means spawned workers. And they really are forked from the server, which is the point
+(a launch that quietly spawned would pass every other test, slowly)."""
 
 from __future__ import annotations
 
