@@ -37,12 +37,7 @@ from paratrain.runtime.external_job import (
 from paratrain.runtime.hang import STORE_ENV
 from paratrain.runtime.parent_death import launcher_pid_exported
 from paratrain.runtime.signals import forwarding_termination, ignore_interrupts
-from paratrain.runtime.worker_start import (
-    DeferredCall,
-    LauncherStreams,
-    prepare_worker,
-    worker_start,
-)
+from paratrain.runtime.worker_start import DeferredCall, WorkerPreparation, worker_start
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("auto", "gloo", "nccl")
@@ -88,9 +83,7 @@ class _WorkerSpec:
     backend: str
     timeout_s: float
     threads: int
-    environ: dict[str, str]  # the launcher's at this launch (see worker_start)
-    server_pid: int | None  # the forkserver the workers are forked from; None: spawned
-    streams: LauncherStreams | None  # the launcher's stdout and stderr, for a forked worker
+    preparation: WorkerPreparation  # what a worker is given first (see worker_start)
 
 
 def thread_share(devices: int) -> int:
@@ -160,7 +153,7 @@ def launch(
     )
     with launcher_pid_exported():  # a forkserver started now dies with this process
         start = worker_start()
-    spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads, *start.for_worker)
+    spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads, start.preparation)
     call = DeferredCall(fn, tuple(args), kwargs)
     results_queue = start.context.Queue()
 
@@ -349,8 +342,7 @@ def _worker_main(
 ) -> None:
     """One worker: its group (a replacement joining an elastic job forms its own later,
     see ``runtime/elastic``), ``fn``, and its result or traceback on the queue."""
-    # What a spawned interpreter would have had (a forked one has the server's).
-    prepare_worker(spec.environ, spec.server_pid, spec.streams)
+    spec.preparation.apply()  # what a spawned interpreter would have had
     ignore_interrupts()
     os.environ.update(
         {

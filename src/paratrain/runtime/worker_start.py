@@ -9,7 +9,7 @@ fork of it, ready in milliseconds (0.05 s for 2 workers, 0.10 s for 4 on 2 cores
 after the server's first start; ``benchmarks/launch_start.py``).
 
 A fork of the server is not the fresh interpreter ``spawn`` gave, so what ``spawn`` gave
-is given back, in ``prepare_worker`` or at the fork itself (``forkserver_preload``):
+is given back, in ``WorkerPreparation.apply`` or at the fork itself (``forkserver_preload``):
 
 - The environment is the launcher's at this launch, not the server's at its start (the
   server starts once, at the first launch; a variable set between launches must reach
@@ -57,21 +57,31 @@ _started = {"server_pid": None}  # the forkserver this module started, in this p
 
 
 @dataclass(frozen=True)
+class WorkerPreparation:
+    """What each worker is given first, before anything else runs there (see the module):
+    the launcher's environment, the pid of the server it is forked from (None when
+    spawned), and the launcher's stdout and stderr (None where spawned workers inherit
+    them). It travels to the worker with its spec."""
+
+    environ: dict[str, str]
+    server_pid: int | None
+    streams: LauncherStreams | None
+
+    def apply(self) -> None:
+        """In a worker, first: what a fresh interpreter would have had."""
+        if self.server_pid is not None and self.streams is not None:  # forked
+            die_with_parent(self.server_pid)  # the server, which dies with the launcher
+            self.streams.put_in_place()  # (SIGTERM and random state: reset at the fork)
+        os.environ.clear()
+        os.environ.update(self.environ)
+
+
+@dataclass(frozen=True)
 class WorkerStart:
-    """How this launch's workers start: the context, the pid of the server they are forked
-    from (None when spawned), and the environment they must see."""
+    """How this launch's workers start: the context, and what each is given first."""
 
     context: BaseContext
-    server_pid: int | None
-    environ: dict[str, str]
-
-    @property
-    def for_worker(self) -> tuple[dict[str, str], int | None, LauncherStreams | None]:
-        """What ``prepare_worker`` takes: the environment, the server's pid, and what gives
-        a forked worker the launcher's stdout and stderr (None where spawned workers
-        inherit them)."""
-        streams = None if self.server_pid is None else LauncherStreams()
-        return self.environ, self.server_pid, streams
+    preparation: WorkerPreparation
 
 
 def start_method() -> str:
@@ -97,8 +107,10 @@ def worker_start() -> WorkerStart:
     """
     environ = {name: value for name, value in os.environ.items() if name != LAUNCHER_PID_ENV}
     server_pid = _our_forkserver() if start_method() == "forkserver" else None
-    method = "forkserver" if server_pid is not None else "spawn"
-    return WorkerStart(mp.get_context(method), server_pid, environ)
+    if server_pid is None:
+        return WorkerStart(mp.get_context("spawn"), WorkerPreparation(environ, None, None))
+    preparation = WorkerPreparation(environ, server_pid, LauncherStreams())
+    return WorkerStart(mp.get_context("forkserver"), preparation)
 
 
 def _our_forkserver() -> int | None:
@@ -114,31 +126,17 @@ def _our_forkserver() -> int | None:
     return _started["server_pid"]
 
 
-def prepare_worker(
-    start_environ: dict[str, str], server_pid: int | None, streams: LauncherStreams | None
-) -> None:
-    """In a worker, first: what a fresh interpreter would have had (see the module)."""
-    if server_pid is not None:  # SIGTERM and random state were reset at the fork
-        die_with_parent(server_pid)  # the server, which dies with the launcher
-        if streams is not None:
-            streams.put_in_place()
-    os.environ.clear()
-    os.environ.update(start_environ)
-
-
 class LauncherStreams:
     """The launcher's stdout and stderr (file descriptors 1 and 2) as a worker starts,
     passed to it by multiprocessing with the worker's other descriptors."""
 
-    def __init__(self, received: tuple[Any, Any] | None = None) -> None:
-        self._received = received
+    def __init__(self, received: tuple[Any, Any] = ()) -> None:
+        self._received = received  # in the worker: what multiprocessing passed
 
     def __reduce__(self) -> tuple:
         return LauncherStreams, ((DupFd(1), DupFd(2)),)  # only while a worker starts
 
     def put_in_place(self) -> None:
-        if self._received is None:
-            return
         for wrapped, standard in zip(self._received, (1, 2), strict=True):
             received = wrapped.detach()
             os.dup2(received, standard)
@@ -148,7 +146,7 @@ class LauncherStreams:
 class DeferredCall:
     """``fn``, its args and kwargs, pickled as the worker starts (multiprocessing's own
     pickler, so its queues and torch's shared tensors pass as before) and unpickled only
-    once ``prepare_worker`` has put the launcher's environment in place."""
+    once ``WorkerPreparation.apply`` has put the launcher's environment in place."""
 
     def __init__(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         self._call = (fn, args, kwargs)
