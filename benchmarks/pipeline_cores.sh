@@ -10,8 +10,10 @@
 #   bash benchmarks/pipeline_cores.sh 4    # 4 stages: mlp and gpt, two lanes of half the cores
 #
 # A launch took 20 s (mlp) to 33 s (gpt) on the H200 machine's Xeon (2026-11-28), which
-# sizes the lanes below. ALLOW_SHARED=1 runs the lanes on every core (a smoke test on a
-# small machine: the figures are then contended). Run from the repository root.
+# sized the lanes below; with workers forked from launch's server (2026-11-29) part 2's mlp,
+# gpt and mlp-first-loaded lanes ended within 290 s there and part 4's within 220 s.
+# ALLOW_SHARED=1 runs the lanes on every core (a smoke test on a small machine: the
+# figures are then contended). Run from the repository root.
 set -u
 PART=${1:-2}
 OUT=${OUT:-pipeline-out}
