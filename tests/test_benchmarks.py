@@ -115,7 +115,11 @@ def test_bench_pipeline_runs_both_sides_and_measures_the_bubble(monkeypatch):
         ratio["replayed_busiest_stage"]
         == replayed / row["idle_s_per_step"]["replayed_busiest_stage"]
     )
-    assert f"(replayed {ratio['replayed_busiest_stage']:.2f})" in text
+    assert f"(replayed {ratio['replayed_busiest_stage']:.2f}; " in text
+    # the least any schedule reaches: the busiest stage's wait for the first forward
+    floor = zb["busiest_start_floor_s"] / row["idle_s_per_step"]["replayed_busiest_stage"]
+    assert ratio["any_schedule_floor"] == floor
+    assert f"no schedule below {floor:.2f} on these stages" in text
     for each in rows:  # torch's bubble, from its own passes' stamps
         assert 0.0 < each["torch_bubble_measured"] < 1.0
         assert each["idle_s_per_step"]["torch_busiest_stage"] >= 0.0
@@ -142,6 +146,7 @@ def test_bench_pipeline_judges_the_third_on_the_busiest_stage_not_the_mean(monke
             "stepwise_ratio": 1.0,
             "paratrain_over_torch": 1.0,
             "idle_s_per_step": idle,
+            "busiest_start_floor_s": 0.0,
         }
 
     for mean, busiest, met in ((0.8, 0.25, True), (0.25, 0.8, False)):
@@ -244,6 +249,40 @@ def test_the_zero_bubble_floor_is_a_third_where_the_passes_are_equal(monkeypatch
     assert floor(Passes(forward=1.0, backward=1.0, weight=1.0)) == pytest.approx(1 / 3)
     assert floor(Passes(forward=2.0, backward=2.0, weight=1.0)) == pytest.approx(3 / 5)
     assert floor(Passes(forward=1.0, backward=1.0)) is None
+
+
+def test_no_schedule_idles_the_busiest_stage_less_than_its_wait_for_the_first_forward(
+    monkeypatch,
+):
+    """``start_floor``: the replay's busiest stage cannot start before the first forward
+    has crossed the stages before it. With the last stage the busiest (F 4 ms everywhere,
+    the first stage's backward 6 ms, the last's B 4 and W 3), every schedule's replay
+    idles it at least F + hop = 4.5 ms, 1F1B's 4.5 + 6 + a hop: 0.41 of it, above the
+    third; with the first stage the busiest the floor is 0."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_pipeline")
+    from paratrain.parallel.pipeline import replay, schedules
+
+    hop = 0.5e-3
+
+    def replayed(schedule, durations):
+        return replay.TimelineReplay(durations, hop, replay.replay(schedule, durations, hop_s=hop))
+
+    split = {(0, 0, "F"): 4e-3, (0, 0, "B"): 0.0, (0, 0, "W"): 6e-3}
+    split |= {(1, 0, "F"): 4e-3, (1, 0, "B"): 4e-3, (1, 0, "W"): 3e-3}
+    whole = {(0, 0, "F"): 4e-3, (0, 0, "B"): 6e-3, (1, 0, "F"): 4e-3, (1, 0, "B"): 7e-3}
+    base = replayed(schedules.one_f_one_b(2, 8), whole)
+    base_idle = base.replay.makespan - max(base.replay.busy)
+    # float64 sums of a few milliseconds: one rounding each, far inside approx's 1e-6
+    assert base_idle == pytest.approx(4e-3 + 6e-3 + 2 * hop)
+    for build in (schedules.zb_h1, schedules.zb_h2):
+        zb = replayed(build(2, 8), split)
+        floor = bench.start_floor(zb)
+        assert floor == pytest.approx(4e-3 + hop)
+        assert zb.replay.makespan - max(zb.replay.busy) >= floor - 1e-12
+        assert floor / base_idle > 1 / 3
+    loaded = split | {(0, 0, "F"): 6e-3, (0, 0, "W"): 12e-3}
+    assert bench.start_floor(replayed(schedules.zb_h1(2, 8), loaded)) == 0.0
 
 
 @pytest.mark.slow
