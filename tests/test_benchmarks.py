@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratrain.parallel.pipeline.replay import TimelineReplay, replay
+from paratrain.parallel.pipeline.schedules import one_f_one_b, zb_h1, zb_h2
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 needs_shakespeare = pytest.mark.skipif(
     not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare").exists(),
@@ -261,28 +264,26 @@ def test_no_schedule_idles_the_busiest_stage_less_than_its_wait_for_the_first_fo
     third; with the first stage the busiest the floor is 0."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("bench_pipeline")
-    from paratrain.parallel.pipeline import replay, schedules
-
     hop = 0.5e-3
 
     def replayed(schedule, durations):
-        return replay.TimelineReplay(durations, hop, replay.replay(schedule, durations, hop_s=hop))
+        return TimelineReplay(durations, hop, replay(schedule, durations, hop_s=hop))
 
     split = {(0, 0, "F"): 4e-3, (0, 0, "B"): 0.0, (0, 0, "W"): 6e-3}
     split |= {(1, 0, "F"): 4e-3, (1, 0, "B"): 4e-3, (1, 0, "W"): 3e-3}
     whole = {(0, 0, "F"): 4e-3, (0, 0, "B"): 6e-3, (1, 0, "F"): 4e-3, (1, 0, "B"): 7e-3}
-    base = replayed(schedules.one_f_one_b(2, 8), whole)
+    base = replayed(one_f_one_b(2, 8), whole)
     base_idle = base.replay.makespan - max(base.replay.busy)
     # float64 sums of a few milliseconds: one rounding each, far inside approx's 1e-6
     assert base_idle == pytest.approx(4e-3 + 6e-3 + 2 * hop)
-    for build in (schedules.zb_h1, schedules.zb_h2):
+    for build in (zb_h1, zb_h2):
         zb = replayed(build(2, 8), split)
         floor = bench.start_floor(zb)
         assert floor == pytest.approx(4e-3 + hop)
         assert zb.replay.makespan - max(zb.replay.busy) >= floor - 1e-12
         assert floor / base_idle > 1 / 3
     loaded = split | {(0, 0, "F"): 6e-3, (0, 0, "W"): 12e-3}
-    assert bench.start_floor(replayed(schedules.zb_h1(2, 8), loaded)) == 0.0
+    assert bench.start_floor(replayed(zb_h1(2, 8), loaded)) == 0.0
 
 
 @pytest.mark.slow

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from paratrain.parallel.pipeline import schedules
+from paratrain.parallel.pipeline.replay import replay
 from paratrain.parallel.pipeline.schedule_clock import (
     ScheduleDeadlock,
     clock_table,
@@ -316,10 +319,6 @@ def test_zb_h1s_first_stage_runs_forwards_within_what_it_holds_at_its_peak(stage
     (``split_occupancy``, what the planner prices). The unit clock's bubble stays the
     paper's, and on random stage times (each a forward, B and W, the first stage's W its
     whole backward, a message time) the lists never take longer than the plain ones."""
-    import random
-
-    from paratrain.parallel.pipeline.replay import replay
-
     ours, plain = zb_h1(stages, micro), _plain_zb_h1(stages, micro)
     assert max_in_flight(ours) == max_in_flight(plain)
     for mine, theirs in zip(ours, plain, strict=True):
@@ -348,8 +347,6 @@ def test_zb_h1s_loaded_first_stage_no_longer_waits_for_the_first_gradient():
     the first stage, with more work than the last, idled 2.8 ms a step waiting for the
     first output gradient before its third forward; with its bound what it holds it runs
     that forward first, and idles none."""
-    from paratrain.parallel.pipeline.replay import replay
-
     times = {(0, 0, "F"): 5.4, (0, 0, "B"): 0.0, (0, 0, "W"): 10.4}
     times |= {(1, 0, "F"): 4.0, (1, 0, "B"): 4.2, (1, 0, "W"): 3.4}
 
