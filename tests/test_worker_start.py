@@ -111,6 +111,91 @@ def test_workers_are_spawned_where_the_program_runs_a_forkserver_of_its_own(tmp_
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
 
 
+def _fresh_interpreter(script_text: str, tmp_path: Path, **env: str) -> list[str]:
+    """Run ``script_text`` in a fresh interpreter (no forkserver yet), and its stdout lines."""
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "fresh.py"
+    script.write_text(script_text)
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    environ.pop(START_METHOD_ENV, None)
+    environ.update(env)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+EARLY = (
+    "from multiprocessing import forkserver\n"
+    "import paratrain\n"
+    "from paratrain.runtime.worker_start import start_server_early\n"
+    "from tests.worker_start_workers import parent_pid\n"
+    "if __name__ == '__main__':\n"
+    "    start_server_early()\n"
+    "    early = forkserver._forkserver._forkserver_pid\n"
+    "    print(early is not None)\n"
+    "    print(paratrain.launch(parent_pid, devices=2) == [early] * 2)\n"
+)
+ARMED = (
+    "    from paratrain.runtime.parent_death import LAUNCHER_PID_ENV\n"
+    "    mark = f'{LAUNCHER_PID_ENV}={os.getpid()}'.encode()\n"
+    "    print(mark in open(f'/proc/{early}/environ', 'rb').read().split(b'\\0'))\n"
+)
+
+
+def test_a_server_started_early_is_the_one_the_launch_forks_from(tmp_path):
+    """``start_server_early`` (the command line calls it before loading the data and
+    checking the model, so that the server's import of torch runs beside that work) starts
+    the very server the next launch forks its workers from, armed as a launch arms it
+    (started with the launcher's pid exported, so that it dies with the launcher: read
+    from its environment where /proc shows it)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver")
+    if not Path("/proc/self/environ").exists():
+        assert _fresh_interpreter(EARLY, tmp_path) == ["True", "True"]
+        return
+    script = "import os\n" + EARLY + ARMED
+    assert _fresh_interpreter(script, tmp_path) == ["True", "True", "True"]
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_no_server_starts_early_where_workers_are_spawned_or_the_method_is_refused(
+    tmp_path, method
+):
+    """Under ``spawn`` nothing is started early (the launch spawns, from the launcher);
+    an unknown method is not refused early either, but by the launch, in its sentence."""
+    script = EARLY.replace("print(paratrain.launch(parent_pid, devices=2) == [early] * 2)", "")
+    assert _fresh_interpreter(script, tmp_path, **{START_METHOD_ENV: method}) == ["False"]
+
+
+PREPARED = (
+    "from multiprocessing import forkserver\n"
+    "from dataclasses import fields\n"
+    "from paratrain.cli.parser import build_parser\n"
+    "from paratrain.config import TrainConfig, build_config\n"
+    "from paratrain.run import prepare\n"
+    "if __name__ == '__main__':\n"
+    "    args = build_parser().parse_args(\n"
+    "        ['train', '--model', 'mlp', '--dataset', 'synthetic', '--steps', '1'])\n"
+    "    config = build_config({}, {f.name: getattr(args, f.name) for f in fields(TrainConfig)})\n"
+    "    prepare.prepare_run(config)\n"
+    "    print(forkserver._forkserver._forkserver_pid is not None)\n"
+)
+
+
+def test_a_local_run_starts_the_server_while_it_prepares_and_torchrun_does_not(tmp_path):
+    """A run this process will launch starts the server in ``prepare_run``; a rank of a
+    torchrun job, which launches nothing, does not."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver")
+    assert _fresh_interpreter(PREPARED, tmp_path) == ["True"]
+    in_job = PREPARED.replace(
+        "    prepare.prepare_run(config)\n", "    prepare._start_workers_server()\n"
+    )
+    assert _fresh_interpreter(in_job, tmp_path, TORCHELASTIC_RUN_ID="job") == ["False"]
+
+
 def test_spawn_when_asked_for(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     assert paratrain.launch(workers.parent_pid, devices=2) == [os.getpid()] * 2

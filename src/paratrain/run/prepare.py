@@ -35,8 +35,9 @@ from paratrain.run.preflight import (
 )
 from paratrain.run.resume import check_resumable, resume_line
 from paratrain.run.schedule_notice import schedule_change
-from paratrain.runtime.external_job import is_main_process
+from paratrain.runtime.external_job import in_external_job, is_main_process
 from paratrain.runtime.launch import default_device_count
+from paratrain.runtime.worker_start import start_server_early
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def prepare_run(config: TrainConfig) -> PreparedRun:
         devices = check_layout(config)
     else:
         devices = check_config(config)
+        _start_workers_server()
         bundle = load_data(config)
         check_pairing(config, bundle)
     model = meta_model_once(config, bundle)  # built where a check first needs it
@@ -76,6 +78,15 @@ def prepare_run(config: TrainConfig) -> PreparedRun:
     length = run_length(config, len(bundle.train))
     resume_from, resumed = _check_resume(config, devices, model, length, len(bundle.train))
     return PreparedRun(config, devices, bundle, length, resume_from, resumed, chosen)
+
+
+def _start_workers_server() -> None:
+    """Where this process will launch the workers (not inside torchrun or Slurm, which
+    start the ranks themselves), the server they are forked from starts now, once the
+    config's own checks have passed: its import of torch then runs beside the data's
+    loading and the model's checks (``worker_start.start_server_early``)."""
+    if not in_external_job():
+        start_server_early()
 
 
 def plan_run(
@@ -91,6 +102,7 @@ def plan_run(
     refuse_planning_in_job()
     check_names(config, strategy=False)
     devices = config.devices or default_device_count()
+    _start_workers_server()  # the planner measures in launched workers
     bundle = load_data(config)
     check_pairing(config, bundle)
     model = build_model(config.model, **model_options(config, bundle))  # measured: real

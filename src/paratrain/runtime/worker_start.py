@@ -48,7 +48,11 @@ from multiprocessing.context import BaseContext
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
 
-from paratrain.runtime.parent_death import LAUNCHER_PID_ENV, die_with_parent
+from paratrain.runtime.parent_death import (
+    LAUNCHER_PID_ENV,
+    die_with_parent,
+    launcher_pid_exported,
+)
 
 START_METHOD_ENV = "PARATRAIN_START_METHOD"
 START_METHODS = ("forkserver", "spawn")
@@ -111,6 +115,26 @@ def worker_start() -> WorkerStart:
         return WorkerStart(mp.get_context("spawn"), WorkerPreparation(environ, None, None))
     preparation = WorkerPreparation(environ, server_pid, LauncherStreams())
     return WorkerStart(mp.get_context("forkserver"), preparation)
+
+
+def start_server_early() -> None:
+    """Start the server the next launch forks its workers from, now, where that launch
+    would start it (armed to die with this process, as ``worker_start`` arms it).
+
+    Why: the server imports paratrain and torch, about 1.3 s of a core, and the first
+    launch waits for that. A caller with work of its own before it launches (the command
+    line checks the run, loads its data and builds its meta model: 1.1 s for the quick
+    start's gpt on 2 cores) starts it first, and the import runs beside that work on
+    another core. Nothing where workers will be spawned; an unknown
+    ``PARATRAIN_START_METHOD`` is left to the launch, which refuses it in one sentence
+    before any worker starts."""
+    try:
+        method = start_method()
+    except ValueError:
+        return
+    if method == "forkserver":
+        with launcher_pid_exported():
+            _our_forkserver()
 
 
 def _our_forkserver() -> int | None:
