@@ -3,7 +3,8 @@
 launch, their own random numbers, their arguments' queues; a process the program itself
 forks from that server starts fresh too, and a forkserver the program runs of its own
 means spawned workers. And they really are forked from the server, which is the point
-(a launch that quietly spawned would pass every other test, slowly)."""
+(a launch that quietly spawned would pass every other test, slowly); a server started
+early, as the command line starts it while it prepares a run, is that same server."""
 
 from __future__ import annotations
 
@@ -88,29 +89,6 @@ def test_a_process_the_program_forks_from_the_server_starts_as_a_fresh_one_would
     assert all(default for default, _ in states) and states[0][1] != states[1][1], states
 
 
-def test_workers_are_spawned_where_the_program_runs_a_forkserver_of_its_own(tmp_path):
-    """A forkserver paratrain did not start has unknown preloads and signals: spawn."""
-    if "forkserver" not in mp.get_all_start_methods():
-        pytest.skip("this platform has no forkserver")
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "own_server.py"
-    script.write_text(
-        "import multiprocessing as mp, os, time\n"
-        "import paratrain\n"
-        "from tests.worker_start_workers import parent_pid\n"
-        "if __name__ == '__main__':\n"
-        "    own = mp.get_context('forkserver').Process(target=time.sleep, args=(0,))\n"
-        "    own.start(); own.join()\n"
-        "    print(paratrain.launch(parent_pid, devices=2) == [os.getpid()] * 2)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
-    env.pop(START_METHOD_ENV, None)
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
-
-
 def _fresh_interpreter(script_text: str, tmp_path: Path, **env: str) -> list[str]:
     """Run ``script_text`` in a fresh interpreter (no forkserver yet), and its stdout lines."""
     root = Path(__file__).resolve().parents[1]
@@ -124,6 +102,22 @@ def _fresh_interpreter(script_text: str, tmp_path: Path, **env: str) -> list[str
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()
+
+
+def test_workers_are_spawned_where_the_program_runs_a_forkserver_of_its_own(tmp_path):
+    """A forkserver paratrain did not start has unknown preloads and signals: spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver")
+    script = (
+        "import multiprocessing as mp, os, time\n"
+        "import paratrain\n"
+        "from tests.worker_start_workers import parent_pid\n"
+        "if __name__ == '__main__':\n"
+        "    own = mp.get_context('forkserver').Process(target=time.sleep, args=(0,))\n"
+        "    own.start(); own.join()\n"
+        "    print(paratrain.launch(parent_pid, devices=2) == [os.getpid()] * 2)\n"
+    )
+    assert _fresh_interpreter(script, tmp_path) == ["True"]
 
 
 EARLY = (
@@ -190,6 +184,7 @@ def test_a_local_run_starts_the_server_while_it_prepares_and_torchrun_does_not(t
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("this platform has no forkserver")
     assert _fresh_interpreter(PREPARED, tmp_path) == ["True"]
+    # prepare_run's own step, alone: a whole prepare_run in a job would join its group
     in_job = PREPARED.replace(
         "    prepare.prepare_run(config)\n", "    prepare._start_workers_server()\n"
     )
