@@ -151,8 +151,7 @@ def launch(
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
     )
-    with launcher_pid_exported():  # a forkserver started now dies with this process
-        start = worker_start()
+    start = worker_start()
     spec = _WorkerSpec(host, store.port, devices, resolved, timeout_s, threads, start.preparation)
     call = DeferredCall(fn, tuple(args), kwargs)
     results_queue = start.context.Queue()

@@ -104,11 +104,8 @@ def start_method() -> str:
 
 
 def worker_start() -> WorkerStart:
-    """The context to start this launch's workers with, the forkserver running and armed.
-
-    Call it where the launcher's pid is exported (``launcher_pid_exported``): a server
-    started here imports paratrain with that mark and so dies with the launcher.
-    """
+    """The context to start this launch's workers with, the forkserver running and armed
+    (``_our_forkserver``)."""
     environ = {name: value for name, value in os.environ.items() if name != LAUNCHER_PID_ENV}
     server_pid = _our_forkserver() if start_method() == "forkserver" else None
     if server_pid is None:
@@ -119,7 +116,7 @@ def worker_start() -> WorkerStart:
 
 def start_server_early() -> None:
     """Start the server the next launch forks its workers from, now, where that launch
-    would start it (armed to die with this process, as ``worker_start`` arms it).
+    would start it (armed to die with this process, as every server is).
 
     Why: the server imports paratrain and torch, about 1.3 s of a core, and the first
     launch waits for that. A caller with work of its own before it launches (the command
@@ -133,19 +130,21 @@ def start_server_early() -> None:
     except ValueError:
         return
     if method == "forkserver":
-        with launcher_pid_exported():
-            _our_forkserver()
+        _our_forkserver()
 
 
 def _our_forkserver() -> int | None:
     """The pid of the forkserver this module runs, started now if needed; None where the
-    process already runs one it did not start, or the server's pid cannot be read."""
+    process already runs one it did not start, or the server's pid cannot be read. A
+    server started here starts with this process's pid exported as its launcher's, so
+    importing paratrain arms it to die with this process (``parent_death``)."""
     server = getattr(forkserver, "_forkserver", None)
     running = getattr(server, "_forkserver_pid", None)
     if server is None or running not in (None, _started["server_pid"]):
         return None
     forkserver.set_forkserver_preload([PRELOAD_MODULE])
-    forkserver.ensure_running()  # restarts a server that died
+    with launcher_pid_exported():
+        forkserver.ensure_running()  # restarts a server that died
     _started["server_pid"] = getattr(server, "_forkserver_pid", None)
     return _started["server_pid"]
 
