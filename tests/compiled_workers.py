@@ -6,7 +6,7 @@ import torch
 
 import paratrain
 from paratrain.models import loss_for
-from tests import tp_workers, workers
+from tests import tp_workers, user_layers, workers
 
 
 def compiled(kind: str, how: str, backend: str) -> torch.nn.Module:
@@ -77,4 +77,17 @@ def half_run_worker(how: str, options: dict, path: str, resume: bool) -> dict:
         engine.train_step(x, y)
     if not resume:
         engine.save_checkpoint(path)
+    return unwrapped(engine.state_dict())
+
+
+def planned_run_worker(options: dict) -> dict:
+    """``user_layers``' model cut at named blocks, compiled whole (backend "eager"),
+    trained 10 Adam steps under the options a plan gave; the final state, unwrapped."""
+    torch._dynamo.reset()
+    model = torch.compile(user_layers.build("wrapped"), backend="eager")
+    engine = paratrain.setup(
+        model, optimizer=workers.parity_optimizer("adam"), loss_fn=loss_for("mlp"), **options
+    )
+    for x, y in tp_workers.batches("mlp"):
+        engine.train_step(x, y)
     return unwrapped(engine.state_dict())

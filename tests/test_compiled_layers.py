@@ -27,8 +27,9 @@ import paratrain
 from paratrain.models import loss_for
 from paratrain.parallel.pipeline import split_backward_limits
 from paratrain.runtime.memory import ActivationMeter
-from tests import compiled_workers, tp_workers, workers
+from tests import compiled_workers, tp_workers, user_layers, workers
 from tests.test_parity_dp import TOLERANCE, relative_error
+from tests.test_pipeline_split_points import plan_pipelines
 
 NO_COMPILER = not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"))
 needs_inductor = pytest.mark.skipif(
@@ -93,6 +94,30 @@ def test_data_and_tensor_parallel_train_a_compiled_model_as_the_plain_loop():
     runs += [("gpt", how, "adam", {"strategy": "tp"}) for how in ("whole", "in place")]
     args = (runs, "inductor")
     check(runs, paratrain.launch(compiled_workers.compiled_runs_worker, devices=2, args=args)[0])
+
+
+@pytest.mark.slow
+def test_the_planner_prices_the_pipelines_of_a_model_compiled_whole(tmp_path, monkeypatch):
+    """``paratrain.plan`` of a model cut at named blocks and compiled whole (backend
+    "eager": the failure was dynamo's tracing of the planner's hooks, before any backend)
+    prices every pipeline layout, and the plan it chooses, given to ``setup`` with the
+    compiled model, trains as the uncompiled plain loop (Adam, 10 steps). Before, every
+    candidate was refused ("split point '_orig_mod.body.1' receives other tensors on stage
+    1 than the previous stage sent") and ``plan`` raised."""
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "cache"))  # measured here
+    torch._dynamo.reset()
+    compiled = torch.compile(user_layers.build("wrapped"), backend="eager")
+    plan = plan_pipelines(compiled)
+    torch._dynamo.utils.counters.clear()
+    compiled(tp_workers.batches("mlp")[0][0])  # compiles still (dynamo off would skip it)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    options = {"strategy": plan.strategy, **plan.options}
+    state = paratrain.launch(compiled_workers.planned_run_worker, devices=2, args=(options,))[0]
+    plain = workers.plain_loop_state(
+        user_layers.build("wrapped"), "adam", tp_workers.batches("mlp"), loss_for("mlp")
+    )
+    error = relative_error(state, plain)
+    assert error <= TOLERANCE, f"{options}: relative error {error:.2e}"
 
 
 RESUMES = [

@@ -78,11 +78,18 @@ def test_the_planner_prices_every_pipeline_layout_of_a_model_with_a_stateless_fi
     """``paratrain.plan`` measures such a model cut before every block, the Flatten's
     piece included (before, that measurement failed on a meta tensor), and prices every
     pipeline layout."""
+    plan_pipelines(user_layers.build("wrapped"))
+
+
+def plan_pipelines(model: torch.nn.Module) -> paratrain.Plan:
+    """``paratrain.plan`` of the pipeline's layouts of ``user_layers``' wrapped mlp (or
+    ``model`` built like it) on 2 workers, for the parity batches with Adam; asserts that
+    none was refused."""
     x, y = workers.parity_batches("mlp")[0]
     plan = paratrain.plan(
-        user_layers.build("wrapped"),
+        model,
         devices=2,
-        global_batch=16,
+        global_batch=len(x),
         memory_per_device="1GiB",
         optimizer=workers.parity_optimizer("adam"),
         loss_fn=loss_for("mlp"),
@@ -90,6 +97,7 @@ def test_the_planner_prices_every_pipeline_layout_of_a_model_with_a_stateless_fi
         strategy="pipeline",
     )
     assert plan.strategy == "pipeline" and "cannot run" not in plan.table()
+    return plan
 
 
 @pytest.mark.slow

@@ -84,6 +84,7 @@ from paratrain.parallel.strategy import optimizer_from_factory
 from paratrain.parallel.tensor import mappings
 from paratrain.parallel.tensor.apply import apply_plan
 from paratrain.parallel.tensor.plan import resolve_plan
+from paratrain.planner.compiled_models import as_written
 from paratrain.runtime.live_tensors import LiveTensors
 
 REPEATS = 3
@@ -517,14 +518,14 @@ def measure_model(
     worker_threads: int | None = None,
     pieces: bool = False,
 ) -> ModelCosts:
-    """The ``ModelCosts`` of ``model`` (see the module docstring) at micro-batches of
-    ``samples`` and half as many (``samples``: the sample's own size by default; smaller
-    where one run there would exceed ``SIZE_BUDGET_S``);
-    ``tensor`` is the degree a worker runs at (1: the whole model, no split);
-    ``split_plan`` is the ``setup`` keyword naming which layers split how; ``pieces``: a
-    model that is no layer list per piece of a cut at every block (``parallel/piece_runs``)."""
+    """The ``ModelCosts`` of ``model`` (see the module docstring; one compiled whole, as
+    written) at micro-batches of ``samples`` and half as many (``samples``: the sample's
+    own size by default; smaller where one run there would exceed ``SIZE_BUDGET_S``);
+    ``tensor`` is the degree a worker runs at (1: the whole model, no split); ``split_plan``
+    names which layers split how; ``pieces``: per piece of a cut at every block."""
     inputs, targets = sample
     available = batch_size(inputs)
+    model = as_written(model)  # compiled whole: hooks cannot run inside dynamo's graph
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     subject = model if tensor == 1 else _split_copy(model, tensor, split_plan)
     listed = is_layer_list(subject)
