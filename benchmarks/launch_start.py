@@ -3,7 +3,9 @@ spawned ones and against ``torch.multiprocessing.spawn``, the peer a plain PyTor
 
 Each way runs in a fresh Python process that has imported torch and paratrain, as a
 user's script has, and times launches of a function that only forms the gloo group and
-meets its peers at a barrier: the first launch of the process (what ``paratrain train``
+meets its peers at a barrier (``--work optimizer``: and first makes an optimizer, as
+every training function does, whose first construction in a process imports torch's
+compiler front end, ``torch._dynamo``): the first launch of the process (what ``paratrain train``
 pays once; for the forkserver it includes starting the server, which imports torch once)
 and the median of the later ones (what a script, the planner or a test suite that
 launches again pays each time). Medians over ``--repeats`` fresh processes, the ways
@@ -11,6 +13,7 @@ alternated so that machine noise hits each alike; ratios against the peer.
 
     python benchmarks/launch_start.py                    # 2 and 4 workers, 5 processes each
     python benchmarks/launch_start.py --devices 2 --repeats 3
+    python benchmarks/launch_start.py --work optimizer --repeats 3
 """
 
 from __future__ import annotations
@@ -28,19 +31,22 @@ from pathlib import Path
 WAYS = ("paratrain (forkserver)", "paratrain (spawn)", "torch.multiprocessing.spawn")
 
 
-def _barrier() -> None:
+def _barrier(work: str = "barrier") -> None:
+    import torch
     import torch.distributed as dist
 
+    if work == "optimizer":
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     dist.barrier()
 
 
-def _peer_worker(rank: int, world: int, port: int) -> None:
+def _peer_worker(rank: int, world: int, port: int, work: str = "barrier") -> None:
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    dist.barrier()
+    _barrier(work)
     dist.destroy_process_group()
 
 
@@ -50,7 +56,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _time_launches(way: str, devices: int, later: int) -> list[float]:
+def _time_launches(way: str, devices: int, later: int, work: str) -> list[float]:
     """In the child: seconds for the first launch, then for each later one."""
     import torch.multiprocessing as tmp
 
@@ -60,21 +66,22 @@ def _time_launches(way: str, devices: int, later: int) -> list[float]:
     for _ in range(1 + later):
         start = time.perf_counter()
         if way == "torch.multiprocessing.spawn":
-            tmp.spawn(_peer_worker, args=(devices, _free_port()), nprocs=devices)
+            tmp.spawn(_peer_worker, args=(devices, _free_port(), work), nprocs=devices)
         else:
-            paratrain.launch(_barrier, devices=devices)
+            paratrain.launch(_barrier, devices=devices, args=(work,))
         times.append(time.perf_counter() - start)
     return times
 
 
-def _child_run(way: str, devices: int, later: int) -> list[float]:
+def _child_run(way: str, devices: int, later: int, work: str) -> list[float]:
     env = dict(os.environ)
     env["PARATRAIN_START_METHOD"] = "spawn" if way == "paratrain (spawn)" else "forkserver"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")]
     )
     done = subprocess.run(
-        [sys.executable, __file__, "--later", str(later), "--child", way, str(devices)],
+        [sys.executable, __file__, "--later", str(later), "--work", work]
+        + ["--child", way, str(devices)],
         env=env,
         capture_output=True,
         text=True,
@@ -89,13 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per way")
     parser.add_argument("--later", type=int, default=5, help="launches after the first")
+    parser.add_argument(
+        "--work",
+        choices=("barrier", "optimizer"),
+        default="barrier",
+        help="what the launched function does: meet at a barrier, or make an optimizer first",
+    )
     parser.add_argument("--child", nargs=2, metavar=("WAY", "DEVICES"), help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.child:
         way, devices = options.child
-        print(json.dumps(_time_launches(way, int(devices), options.later)))
+        print(json.dumps(_time_launches(way, int(devices), options.later, options.work)))
         return 0
-    print(f"{os.cpu_count()} cores; medians over {options.repeats} fresh processes, seconds")
+    print(
+        f"{os.cpu_count()} cores; the function: {options.work}; medians over "
+        f"{options.repeats} fresh processes, seconds"
+    )
     print("| workers | way | first launch | later launches | first / peer's | later / peer's |")
     print("|---|---|---|---|---|---|")
     for devices in options.devices:
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         laters: dict[str, list[float]] = {way: [] for way in WAYS}
         for repeat in range(options.repeats):
             for way in WAYS if repeat % 2 == 0 else WAYS[::-1]:
-                times = _child_run(way, devices, options.later)
+                times = _child_run(way, devices, options.later, options.work)
                 firsts[way].append(times[0])
                 laters[way].append(statistics.median(times[1:]))
         peer = WAYS[-1]

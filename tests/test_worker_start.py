@@ -72,6 +72,17 @@ def test_workers_are_forked_from_one_server_that_outlives_each_launch(monkeypatc
     assert len(set(first + second)) == 1 and first[0] != os.getpid(), (first, second)
 
 
+def test_workers_are_forked_with_torchs_compiler_front_end_loaded(monkeypatch):
+    """The server imports ``torch._dynamo`` once, so that a worker's first optimizer
+    (``torch.optim.Optimizer.add_param_group`` imports it) costs no import: a launch of 2
+    workers that set up dp and stepped once took 1.07 s after the server's start, 0.08 s
+    with it loaded."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("this platform has no forkserver: workers are spawned")
+    assert paratrain.launch(workers.compiler_loaded, devices=2) == [True, True]
+
+
 def test_a_process_the_program_forks_from_the_server_starts_as_a_fresh_one_would():
     """Once launch runs the process's forkserver, the program's own forkserver processes
     are forks of it too: SIGTERM has its default action there (the server ignores it),

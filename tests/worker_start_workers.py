@@ -24,6 +24,14 @@ def parent_pid() -> int:
     return os.getppid()
 
 
+def compiler_loaded() -> bool:
+    """Whether torch's compiler front end was imported before this function ran (the
+    first optimizer a process makes imports it: about a second of a core)."""
+    import sys
+
+    return "torch._dynamo" in sys.modules
+
+
 def put_rank(queue) -> None:
     import torch.distributed as dist
 

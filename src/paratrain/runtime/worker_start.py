@@ -14,7 +14,9 @@ is given back, in ``WorkerPreparation.apply`` or at the fork itself (``forkserve
 - The environment is the launcher's at this launch, not the server's at its start (the
   server starts once, at the first launch; a variable set between launches must reach
   the workers). It is in place before ``fn`` and its arguments are unpickled, so that
-  the modules imported to find ``fn`` read it (``DeferredCall``).
+  the modules imported to find ``fn`` read it (``DeferredCall``). What the modules the
+  server imported (torch, its compiler front end: ``forkserver_preload``) read as they
+  were imported stays the server's.
 - Standard output and error are the launcher's at this launch: the server's are the
   launcher's at its start, and the launcher's may point elsewhere since (pytest's
   capture swaps them per test; a script may send them to a log between launches).
