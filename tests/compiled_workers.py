@@ -91,3 +91,21 @@ def planned_run_worker(options: dict) -> dict:
     for x, y in tp_workers.batches("mlp"):
         engine.train_step(x, y)
     return unwrapped(engine.state_dict())
+
+
+def graphs_compiled(kind: str, how: str, strategy: str) -> list[int]:
+    """How many graphs dynamo has compiled (backend "eager") after each of 10 steps of
+    ``kind`` compiled ``how`` under ``strategy``."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engine = paratrain.setup(
+        compiled(kind, how, "eager"),
+        optimizer=workers.parity_optimizer("adam"),
+        loss_fn=loss_for(kind),
+        strategy=strategy,
+    )
+    graphs = []
+    for x, y in tp_workers.batches(kind):
+        engine.train_step(x, y)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return graphs

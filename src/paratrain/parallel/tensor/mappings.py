@@ -27,6 +27,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from paratrain.runtime import comm
+from paratrain.runtime.untraced import untraced
 
 CALLS: Counter[str] = Counter()
 """All-reduces issued by the two operators, by direction ("forward", "backward")."""
@@ -36,6 +37,7 @@ LOCAL: Any = "local tensor group"
 """A tensor group simulated on one process (see the module docstring)."""
 
 
+@untraced
 def _summed(tensor: torch.Tensor, group: ProcessGroup | None, direction: str) -> torch.Tensor:
     """A contiguous copy of ``tensor`` summed over ``group`` (gloo mishandles strided
     tensors in some collectives; the copy also leaves autograd's tensor untouched)."""
@@ -92,6 +94,7 @@ class _GatherFromTensorGroup(torch.autograd.Function):
         return grad[..., start : start + ctx.width].contiguous(), None, None, None
 
 
+@untraced
 def _gathered_last(
     x: torch.Tensor, group: ProcessGroup | None, rank: int, parts: int
 ) -> torch.Tensor:

@@ -76,6 +76,7 @@ from torch.distributed import ProcessGroup
 
 from paratrain.parallel.batching import map_tensors
 from paratrain.parallel.zero.shards import FlatUnit
+from paratrain.runtime.untraced import untraced
 
 
 class ParameterGatherer:
@@ -104,12 +105,14 @@ class ParameterGatherer:
         """Whether every forward so far called the units in module order (see above)."""
         self.on_skipped: Callable[[list[int]], None] | None = None
         """Called at the end of a forward with grad with the units it skipped (``grads``)."""
+        # untraced: in a model compiled whole, dynamo would trace the hooks to each
+        # gather and recompile every step on the state they read (``runtime/untraced``)
         for index, (unit_children, _unit) in enumerate(zip(modules, units, strict=True)):
             for module in unit_children:
-                module.register_forward_pre_hook(self._pre_forward(index))
-                module.register_forward_hook(self._post_forward(index))
-        model.register_forward_pre_hook(lambda _module, _args: self.begin_forward())
-        model.register_forward_hook(lambda _module, _args, _output: self.end_forward())
+                module.register_forward_pre_hook(untraced(self._pre_forward(index)))
+                module.register_forward_hook(untraced(self._post_forward(index)))
+        model.register_forward_pre_hook(untraced(lambda _module, _args: self.begin_forward()))
+        model.register_forward_hook(untraced(lambda _module, _args, _output: self.end_forward()))
 
     def begin_forward(self) -> None:
         """A forward starts: gather the root, reset the cursor (``model(...)``'s pre-hook)."""
