@@ -5,11 +5,12 @@ Each way runs in a fresh Python process that has imported torch and paratrain, a
 user's script has, and times launches of a function that only forms the gloo group and
 meets its peers at a barrier (``--work optimizer``: and first makes an optimizer, as
 every training function does, whose first construction in a process imports torch's
-compiler front end, ``torch._dynamo``): the first launch of the process (what ``paratrain train``
-pays once; for the forkserver it includes starting the server, which imports torch once)
-and the median of the later ones (what a script, the planner or a test suite that
-launches again pays each time). Medians over ``--repeats`` fresh processes, the ways
-alternated so that machine noise hits each alike; ratios against the peer.
+compiler front end, ``torch._dynamo``): the first launch of the process (what
+``paratrain train`` pays once; for the forkserver it includes starting the server, which
+imports torch and its compiler front end once) and the median of the later ones (what
+a script, the planner or a test suite that launches again pays each time). Medians over
+``--repeats`` fresh processes, the ways alternated so that machine noise hits each alike;
+ratios against the peer.
 
     python benchmarks/launch_start.py                    # 2 and 4 workers, 5 processes each
     python benchmarks/launch_start.py --devices 2 --repeats 3
@@ -31,7 +32,7 @@ from pathlib import Path
 WAYS = ("paratrain (forkserver)", "paratrain (spawn)", "torch.multiprocessing.spawn")
 
 
-def _barrier(work: str = "barrier") -> None:
+def _work_then_barrier(work: str = "barrier") -> None:
     import torch
     import torch.distributed as dist
 
@@ -46,7 +47,7 @@ def _peer_worker(rank: int, world: int, port: int, work: str = "barrier") -> Non
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    _barrier(work)
+    _work_then_barrier(work)
     dist.destroy_process_group()
 
 
@@ -68,7 +69,7 @@ def _time_launches(way: str, devices: int, later: int, work: str) -> list[float]
         if way == "torch.multiprocessing.spawn":
             tmp.spawn(_peer_worker, args=(devices, _free_port(), work), nprocs=devices)
         else:
-            paratrain.launch(_barrier, devices=devices, args=(work,))
+            paratrain.launch(_work_then_barrier, devices=devices, args=(work,))
         times.append(time.perf_counter() - start)
     return times
 

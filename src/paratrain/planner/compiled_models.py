@@ -11,7 +11,7 @@ compiled again in that process, so the user's model would then train uncompiled.
 ``as_written`` gives the planner the compiled model's own module (``_orig_mod``) under the
 same names, ``_orig_mod.`` included, inside a module that calls it directly: the layouts,
 split points and names it prices are those of the model the engines are given, and its
-times are the uncompiled model's (an upper bound on the compiled one's).
+times are the uncompiled model's (which the compiled model usually beats).
 """
 
 from __future__ import annotations
