@@ -8,7 +8,10 @@ backward with donated buffers, which cannot run twice, and B keeps the graph for
 ``pipeline/split_backward_limits``); under ``module.compile()`` dynamo traced the ledger's
 saved-tensor hook, breaking the compiled graph at its calls (``runtime/memory``); and a
 checkpoint saved with compile on was refused with it off, and the reverse
-(``checkpoints/wrapper_names``).
+(``checkpoints/wrapper_names``); ``paratrain.plan`` refused every pipeline of a model
+compiled whole and cut at named blocks, dynamo tracing its hooks
+(``planner/compiled_models``); and under tp and zero3 a model compiled whole recompiled
+a frame every step, dynamo guarding on the engines' hook state (``runtime/untraced``).
 
 Tolerance: the suite's (``TOLERANCE``, 1e-5 relative per parameter). The engines run the
 same products as the plain loop; inductor's kernels sum in their own order (about 1e-7

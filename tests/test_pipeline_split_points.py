@@ -82,8 +82,8 @@ def test_the_planner_prices_every_pipeline_layout_of_a_model_with_a_stateless_fi
 
 
 def plan_pipelines(model: torch.nn.Module) -> paratrain.Plan:
-    """``paratrain.plan`` of the pipeline's layouts of ``user_layers``' wrapped mlp (or
-    ``model`` built like it) on 2 workers, for the parity batches with Adam; asserts that
+    """``paratrain.plan`` of the pipeline's layouts of ``model`` (``user_layers``' wrapped
+    mlp, compiled or not) on 2 workers, for the parity batches with Adam; asserts that
     none was refused."""
     x, y = workers.parity_batches("mlp")[0]
     plan = paratrain.plan(

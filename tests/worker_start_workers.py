@@ -4,6 +4,7 @@ imported, which happens in the worker, when its function is unpickled there."""
 from __future__ import annotations
 
 import os
+import sys
 
 MARK = "PARATRAIN_TEST_START_MARK"
 SEEN_ON_IMPORT = os.environ.get(MARK)
@@ -27,8 +28,6 @@ def parent_pid() -> int:
 def compiler_loaded() -> bool:
     """Whether torch's compiler front end was imported before this function ran (the
     first optimizer a process makes imports it: about a second of a core)."""
-    import sys
-
     return "torch._dynamo" in sys.modules
 
 

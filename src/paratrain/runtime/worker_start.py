@@ -120,13 +120,13 @@ def start_server_early() -> None:
     """Start the server the next launch forks its workers from, now, where that launch
     would start it (armed to die with this process, as every server is).
 
-    Why: the server imports paratrain and torch, about 1.3 s of a core, and the first
-    launch waits for that. A caller with work of its own before it launches (the command
-    line checks the run, loads its data and builds its meta model: 1.1 s for the quick
-    start's gpt on 2 cores) starts it first, and the import runs beside that work on
-    another core. Nothing where workers will be spawned; an unknown
-    ``PARATRAIN_START_METHOD`` is left to the launch, which refuses it in one sentence
-    before any worker starts."""
+    Why: the server imports paratrain, torch and torch's compiler front end, about 2.3 s
+    of a core (``forkserver_preload``), and the first launch waits for that. A caller
+    with work of its own before it launches (the command line checks the run, loads its
+    data and builds its meta model: 1.1 s for the quick start's gpt on 2 cores) starts it
+    first, and the import runs beside that work on another core. Nothing where workers
+    will be spawned; an unknown ``PARATRAIN_START_METHOD`` is left to the launch, which
+    refuses it in one sentence before any worker starts."""
     try:
         method = start_method()
     except ValueError:
