@@ -67,3 +67,16 @@ def test_hybrid_two_replicas_of_two_stages_and_recompute_and_accumulation(refere
     ]
     results = paratrain.launch(workers.pipeline_parity_worker, devices=4, args=(cases, options))
     check(results, cases, references, "2 x 2 hybrid")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_pipeline_on_gloos_messages_matches_single_device(monkeypatch, references, schedule):
+    """The suite's CPU pipelines move their messages through shared memory (``local_p2p``);
+    ``PARATRAIN_P2P=gloo`` keeps them on gloo, the transport between hosts and on GPUs'
+    CPU fallback, which must stay exact too."""
+    monkeypatch.setenv("PARATRAIN_P2P", "gloo")
+    cases = [("mlp", "adam", 1), ("gpt", "sgd", 1)]
+    options = [{"stages": 2, "micro_batches": 4, "schedule": schedule}] * 2
+    results = paratrain.launch(workers.pipeline_parity_worker, devices=2, args=(cases, options))
+    check(results, cases, references, f"gloo {schedule}")

@@ -156,14 +156,27 @@ def broadcast_tensors(
             offset += n
 
 
-def send_async(tensor: torch.Tensor, *, dst: int, tag: int = 0):
+def send_async(tensor: torch.Tensor, *, dst: int, tag: int = 0, via=None):
     """Non-blocking point-to-point send; the caller keeps ``tensor`` alive until ``wait()``.
 
     Sends never block, so a schedule in which every receive's matching send is eventually
     issued cannot deadlock, whatever order the two neighbours post their operations in.
+    ``via``: another transport with ``isend`` (``local_p2p``'s shared memory), else gloo's.
     """
     _count("send", tensor)
+    if via is not None:
+        return via.isend(tensor, dst, tag)
     return dist.isend(tensor, dst=dst, tag=tag)
+
+
+def group_timeout_s(group: ProcessGroup | None = None) -> float:
+    """The timeout the process group was made with (what bounds its every wait), for
+    waits of our own that should give up when its collectives would."""
+    pg = group or dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
 
 
 def second_group(group: ProcessGroup | None = None) -> ProcessGroup:

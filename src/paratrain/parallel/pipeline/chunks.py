@@ -13,12 +13,16 @@ the messages of plain schedules are unchanged.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from paratrain.parallel.pipeline.p2p import StageLink
+from paratrain.runtime import comm
+from paratrain.runtime.local_p2p import ENV as P2P_ENV
+from paratrain.runtime.local_p2p import SharedMemoryP2P, connect
 from paratrain.runtime.mesh import Mesh
 
 
@@ -45,32 +49,40 @@ def held_pieces(stage: int, stages: int, chunks: int) -> list[int]:
 
 
 def chunk_links(mesh: Mesh, device: torch.device, chunks: int, *, window: int) -> list[StageLink]:
-    """One link per chunk of this worker (see the module docstring)."""
+    """One link per chunk of this worker (see the module docstring), their messages with
+    neighbours on this host through shared memory where the device is the CPU."""
     if chunks == 1:  # the plain pipeline's one link, its tags as they always were
-        return [
-            StageLink(
-                device,
-                prev_rank=None if mesh.is_first else mesh.prev_rank,
-                next_rank=None if mesh.is_last else mesh.next_rank,
-                window=window,
-            )
+        ends = [
+            (None if mesh.is_first else mesh.prev_rank, None if mesh.is_last else mesh.next_rank)
         ]
-    stages, stage = mesh.stages, mesh.stage
-    last = stages * chunks - 1
-    links = []
-    for piece in held_pieces(stage, stages, chunks):
-        prev_rank = mesh.rank_of((stage - 1) % stages) if piece > 0 else None
-        next_rank = mesh.rank_of((stage + 1) % stages) if piece < last else None
-        links.append(
-            StageLink(
-                device,
-                prev_rank=prev_rank,
-                next_rank=next_rank,
-                window=window,
-                channels=(piece, piece + 1),
+        channels = [(0, 0)]
+    else:
+        stages, stage = mesh.stages, mesh.stage
+        last = stages * chunks - 1
+        pieces = held_pieces(stage, stages, chunks)
+        ends = [
+            (
+                mesh.rank_of((stage - 1) % stages) if piece > 0 else None,
+                mesh.rank_of((stage + 1) % stages) if piece < last else None,
             )
+            for piece in pieces
+        ]
+        channels = [(piece, piece + 1) for piece in pieces]
+    local = local_transport(device, [rank for pair in ends for rank in pair if rank is not None])
+    return [
+        StageLink(
+            device, prev_rank=prev, next_rank=nxt, window=window, channels=channel, local=local
         )
-    return links
+        for (prev, nxt), channel in zip(ends, channels, strict=True)
+    ]
+
+
+def local_transport(device: torch.device, peers: list[int]) -> SharedMemoryP2P | None:
+    """Shared-memory connections with the ``peers`` on this host, for a CPU pipeline
+    (``local_p2p``; ``PARATRAIN_P2P=gloo`` keeps gloo's); every peer makes the same call."""
+    if device.type != "cpu" or not peers or os.environ.get(P2P_ENV, "") == "gloo":
+        return None
+    return connect(peers, timeout_s=comm.group_timeout_s())
 
 
 def build_chunks(modules: list[nn.Module], links: list[StageLink], mesh: Mesh) -> list[Chunk]:

@@ -30,6 +30,12 @@ zeros of the old shapes and sends micro-batch 0 under tags of their own (``_MOVE
 which the receiver posts once the header has told it; the next round posts nothing ahead
 (its last two headers differ), so shapes that change every step cost no more than before.
 
+Transport and buffers: neighbours on one host with CPU stages move their messages
+through shared memory (``runtime.local_p2p``; ``PARATRAIN_P2P=gloo`` keeps gloo), the
+others through the process group; the tags and the order above are the same for both.
+Receive buffers are reused once nothing holds them (``receive_buffers``), so a receive
+writes into warm pages rather than fresh ones.
+
 Channels: with an interleaved schedule a worker holds several chunks, each with a link of
 its own, and two workers exchange the messages of several chunks. Each side of a link
 therefore has a channel (the index of the boundary between two virtual stages) that offsets
@@ -43,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.parallel.pipeline.receive_buffers import ReceiveBuffers
 from paratrain.parallel.pipeline.structure import (
     HEADER_BYTES,
     MAX_LEAVES,
@@ -53,6 +60,7 @@ from paratrain.parallel.pipeline.structure import (
     unflatten,
 )
 from paratrain.runtime import comm
+from paratrain.runtime.local_p2p import SharedMemoryP2P, finished
 
 HEADER_TAG, LOSS_TAG = 1, 2
 _ACTIVATION_TAGS, _GRADIENT_TAGS, _MOVED_TAGS = 1 << 20, 2 << 20, 3 << 20
@@ -76,10 +84,14 @@ class StageLink:
         next_rank: int | None,
         window: int,
         channels: tuple[int, int] = (0, 0),
+        local: SharedMemoryP2P | None = None,
     ) -> None:
         """``channels``: the channel of the side towards ``prev_rank`` and of the side
-        towards ``next_rank`` (see the module docstring)."""
+        towards ``next_rank`` (see the module docstring); ``local``: the shared-memory
+        connections of this worker's link set, used for the neighbours they cover."""
         self.device, self.prev_rank, self.next_rank = device, prev_rank, next_rank
+        self._local = local
+        self._buffers = ReceiveBuffers(device)
         self._prev_offset, self._next_offset = (c * CHANNEL_STRIDE for c in channels)
         self.window = max(1, window)
         self._sends: list[tuple[object, torch.Tensor]] = []
@@ -106,17 +118,19 @@ class StageLink:
         """Post what this round will surely receive first: the header, and the loss."""
         self._micro_batches, self._next_to_post, self._shape = micro_batches, 0, None
         self._first_tags, self._guessed = _ACTIVATION_TAGS, False
+        self._buffers.new_round()
         if self.prev_rank is not None:
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
             tag = self._prev_offset + HEADER_TAG
-            self._header = (self._irecv(header, self.prev_rank, tag), header)
+            self._header = (self._irecv(header, None, self.prev_rank, tag), header)
             if self._received.steady and micro_batches > 0:
                 self._shape, self._guessed = self._received.shape, True
                 self._post_activations(upto=1)
                 self.rounds_posted_ahead += 1
         if expect_loss and self.next_rank is not None:
             loss = torch.empty(1, device=self.device)
-            self._loss = (self._irecv(loss, self.next_rank, self._next_offset + LOSS_TAG), loss)
+            tag = self._next_offset + LOSS_TAG
+            self._loss = (self._irecv(loss, None, self.next_rank, tag), loss)
 
     # -- sending -------------------------------------------------------------------------
 
@@ -152,7 +166,8 @@ class StageLink:
         self._post_activations(upto=micro + self.window)
         leaves = []
         for work, buffer in self._activations.pop(micro):
-            comm.wait(work, f"recv of activation {micro} from rank {self.prev_rank}")
+            if not finished(work):
+                comm.wait(work, f"recv of activation {micro} from rank {self.prev_rank}")
             leaves.append(buffer)
         return unflatten(self._shape[0], leaves)
 
@@ -161,16 +176,17 @@ class StageLink:
         leaves, _ = flatten(like)
         posted = []
         for index in floating(leaves):
-            buffer = torch.empty_like(leaves[index])
+            buffer, raw = self._buffers.take(leaves[index].shape, leaves[index].dtype)
             tag = self._next_offset + _tag(_GRADIENT_TAGS, micro, index)
-            posted.append((self._irecv(buffer, self.next_rank, tag), buffer))
+            posted.append((self._irecv(buffer, raw, self.next_rank, tag), buffer))
         self._gradients[micro] = posted
 
     def recv_gradient(self, micro: int) -> list[torch.Tensor]:
         """The gradients of ``micro``'s output, one per floating-point tensor, in order."""
         grads = []
         for work, buffer in self._gradients.pop(micro):
-            comm.wait(work, f"recv of gradient {micro} from rank {self.next_rank}")
+            if not finished(work):
+                comm.wait(work, f"recv of gradient {micro} from rank {self.next_rank}")
             grads.append(buffer)
         return grads
 
@@ -181,16 +197,19 @@ class StageLink:
         return loss[0]
 
     def held_bytes(self) -> int:
-        """Bytes of receive buffers posted and sends not yet flushed (for the memory ledger)."""
+        """Bytes of receive buffers posted or kept idle for reuse, and of sends not yet
+        flushed (for the memory ledger)."""
         posted = [*self._sends]
         for entries in (*self._activations.values(), *self._gradients.values()):
             posted += entries
-        return sum(buffer.numel() * buffer.element_size() for _, buffer in posted)
+        held = sum(buffer.numel() * buffer.element_size() for _, buffer in posted)
+        return held + self._buffers.idle_bytes()
 
     def flush(self) -> None:
         """Wait until every send has left (their buffers may then be reused)."""
         for work, _ in self._sends:
-            comm.wait(work, "send to a neighbouring stage")
+            if not finished(work):
+                comm.wait(work, "send to a neighbouring stage")
         self._sends.clear()
 
     # -- internals -----------------------------------------------------------------------
@@ -231,17 +250,21 @@ class StageLink:
             base = self._first_tags if micro == 0 else _ACTIVATION_TAGS
             posted = []
             for index, (dtype, shape) in enumerate(leaves):
-                buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                buffer, raw = self._buffers.take(shape, dtype)
                 tag = self._prev_offset + _tag(base, micro, index)
-                posted.append((self._irecv(buffer, self.prev_rank, tag), buffer))
+                posted.append((self._irecv(buffer, raw, self.prev_rank, tag), buffer))
             self._activations[micro] = posted
             self._next_to_post += 1
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._sends.append((comm.send_async(tensor, dst=dst, tag=tag), tensor))
+        local = self._local if self._local is not None and self._local.covers(dst) else None
+        self._sends.append((comm.send_async(tensor, dst=dst, tag=tag, via=local), tensor))
 
-    @staticmethod
-    def _irecv(buffer: torch.Tensor, src: int, tag: int):
+    def _irecv(self, buffer: torch.Tensor, raw: torch.Tensor | None, src: int, tag: int):
+        """Post a receive into ``buffer`` (``raw``: its bytes, a flat uint8 view, which the
+        shared-memory transport fills)."""
+        if self._local is not None and self._local.covers(src):
+            return self._local.irecv(buffer if raw is None else raw, src, tag)
         return dist.irecv(buffer, src=src, tag=tag)
 
 

@@ -1,0 +1,385 @@
+"""Point-to-point messages between processes on one host through shared memory.
+
+The pipeline's stages exchange many small messages (an activation, its gradient) with
+their neighbours; on a CPU, gloo's per-message cost (its threads' hand-offs, see
+``shm_ring``) showed as idle time between passes. Where two neighbouring workers run on
+one host, this transport gives them one ``shm_ring.Ring`` each way and moves every
+message with the two processes' own threads: ``isend`` copies into the ring (or, where the
+ring is full, leaves the rest to a pusher thread that writes it as the reader frees room:
+sends never block, and bytes move while their sender computes or sits in a collective),
+``irecv`` posts a buffer, and whatever waits (for a receive or a send) moves every pending
+message of the process both ways.
+
+Messages are matched as gloo matches them: by source and tag, in order among equal tags;
+a message that comes before its receive is posted is kept aside (one copy more) until it
+is. Waiting spins briefly (a message usually comes within microseconds on an idle core),
+then sleeps on a named pipe that each writer pokes after every frame, so a waiting worker
+leaves its core to others. Every wait is bounded by the process group's timeout and then
+raises an error that says "timed out", which ``hang`` turns into one naming the peer.
+
+Which pairs use it is agreed once per link set (``connect``): each side makes the ring it
+reads, tells the other its path and host, and each says whether it could open the other's;
+a pair uses shared memory only when both could, and gloo otherwise (another host, a
+separate /dev/shm, a full tmpfs, not x86-64). The files are unlinked as soon as both
+sides have them mapped, so nothing is left behind once the processes end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import socket
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from paratrain.runtime.shm_ring import Ring, supported
+
+RING_BYTES = 16 << 20
+"""Bytes of each direction's ring: a pipeline's messages of a round fit in most models,
+and a message larger moves in pieces."""
+SPIN_S = 50e-6
+_PUSH_POLL_S = 1e-4
+"""How long a wait polls before sleeping on the pipe."""
+_HANDSHAKE_TAG = 1 << 30
+_HANDSHAKE_BYTES = 1024
+ENV = "PARATRAIN_P2P"
+"""``gloo`` keeps every pair on gloo; ``shared-memory`` (the default on CPU) uses it where
+both sides can."""
+
+
+def host_identity() -> str:
+    """The host name and this boot of the kernel: two processes that share them share a
+    host (and, where both can open the other's ring, its /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def ring_directory() -> str:
+    """/dev/shm where it exists (memory, never a disk), else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _Send:
+    """One message on its way out: done once all its bytes are in the ring."""
+
+    def __init__(self, box: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor) -> None:
+        self.box, self.peer, self.tag = box, peer, tag
+        self.bytes = tensor.reshape(-1).view(torch.uint8)
+        self.sent = 0
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        self.box.wait_for(self, f"send of tag {self.tag} to rank {self.peer}")
+        return True
+
+
+class _Receive:
+    """A posted receive: done once its buffer holds the message."""
+
+    def __init__(self, box: SharedMemoryP2P, peer: int, tag: int, buffer: torch.Tensor) -> None:
+        self.box, self.peer, self.tag = box, peer, tag
+        flat = buffer.dtype == torch.uint8 and buffer.dim() == 1
+        self.bytes = buffer if flat else buffer.reshape(-1).view(torch.uint8)
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        self.box.wait_for(self, f"receive of tag {self.tag} from rank {self.peer}")
+        return True
+
+
+def _check_size(message_bytes: int, receive: _Receive, tag: int) -> None:
+    if message_bytes != receive.bytes.numel():
+        raise RuntimeError(
+            f"a message of {message_bytes} bytes came for a receive of "
+            f"{receive.bytes.numel()} (tag {tag}): the two sides disagree on its shape."
+        )
+
+
+def finished(work: object) -> bool:
+    """Whether ``work`` is this transport's and done (its wait would return at once); a
+    gloo work always goes through its own ``wait``, which raises its errors."""
+    return isinstance(work, (_Send, _Receive)) and work.done
+
+
+class _Incoming:
+    """What one peer sends this process: its ring, and the messages matched so far."""
+
+    def __init__(self, ring: Ring, pipe: int) -> None:
+        self.ring, self.pipe = ring, pipe
+        self.posted: dict[int, deque[_Receive]] = {}
+        self.arrived: dict[int, deque[torch.Tensor]] = {}
+        self.filling: torch.Tensor | None = None  # the bytes the current message goes to
+        self.filling_receive: _Receive | None = None
+        self.filled = 0
+
+    def drain(self) -> bool:
+        """Take every frame written so far; True if there was any."""
+        moved = False
+        while (frame := self.ring.peek()) is not None:
+            tag, message_bytes, source, nbytes = frame
+            if self.filling is None:
+                self._start(tag, message_bytes)
+            if nbytes:
+                ctypes.memmove(self.filling.data_ptr() + self.filled, source, nbytes)
+            self.filled += nbytes
+            self.ring.consume(nbytes)
+            moved = True
+            if self.filled == self.filling.numel():
+                self._finish(tag)
+        return moved
+
+    def _start(self, tag: int, message_bytes: int) -> None:
+        waiting = self.posted.get(tag)
+        if waiting:
+            receive = waiting.popleft()
+            _check_size(message_bytes, receive, tag)
+            self.filling, self.filling_receive = receive.bytes, receive
+        else:
+            self.filling = torch.empty(message_bytes, dtype=torch.uint8)
+        self.filled = 0
+
+    def _finish(self, tag: int) -> None:
+        """A message is whole: its receive is done, or it is kept aside, or (a receive
+        posted while it was coming in pieces) copied into that receive now."""
+        receive, message = self.filling_receive, self.filling
+        self.filling, self.filling_receive = None, None
+        if receive is None:
+            waiting = self.posted.get(tag)
+            if not waiting:
+                self.arrived.setdefault(tag, deque()).append(message)
+                return
+            receive = waiting.popleft()
+            _check_size(message.numel(), receive, tag)
+            receive.bytes.copy_(message)
+        receive.done = True
+
+
+class _Outgoing:
+    """What this process sends one peer: its ring, its pipe, and the sends not yet in it."""
+
+    def __init__(self, ring: Ring, pipe: int) -> None:
+        self.ring, self.pipe = ring, pipe
+        self.pending: deque[_Send] = deque()
+
+    def push(self) -> bool:
+        """Write as much of the pending sends as fits; True if any byte moved."""
+        moved = False
+        while self.pending:
+            send = self.pending[0]
+            total = send.bytes.numel()
+            while send.sent < total or total == 0:
+                piece = min(total - send.sent, self.ring.max_frame)
+                source = send.bytes.data_ptr() + send.sent
+                if not self.ring.try_write(send.tag, total, source, piece):
+                    if moved:
+                        _poke(self.pipe)
+                    return moved
+                send.sent += piece
+                moved = True
+                if total == 0:
+                    break
+            send.done = True
+            self.pending.popleft()
+        if moved:
+            _poke(self.pipe)
+        return moved
+
+
+def _poke(pipe: int) -> None:
+    """Wake the reader if it sleeps (a full pipe already will)."""
+    try:
+        os.write(pipe, b"\0")
+    except BlockingIOError:
+        pass
+
+
+class SharedMemoryP2P:
+    """This process's shared-memory connections, with the peers ``connect`` agreed on."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.incoming: dict[int, _Incoming] = {}
+        self.outgoing: dict[int, _Outgoing] = {}
+        self._lock = threading.Lock()  # the outgoing queues: this thread's and the pusher's
+        self._pending = threading.Event()
+        self._pusher: threading.Thread | None = None
+        self._closed = False
+
+    def covers(self, peer: int) -> bool:
+        return peer in self.outgoing
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> _Send:
+        """Send a contiguous tensor; keep it unchanged until the returned work is done."""
+        send = _Send(self, dst, tag, tensor)
+        out = self.outgoing[dst]
+        with self._lock:
+            out.pending.append(send)
+            if len(out.pending) == 1:
+                out.push()
+            if out.pending:
+                self._push_later()
+        return send
+
+    def _push_later(self) -> None:
+        """Have the pusher thread write what did not fit as the reader frees room: this
+        thread may next block in a collective that the reader waits on for these bytes
+        (a tensor group's all-reduce, say), so they must move without it."""
+        if self._pusher is None:
+            self._pusher = threading.Thread(target=self._push_loop, daemon=True)
+            self._pusher.start()
+        self._pending.set()
+
+    def _push_loop(self) -> None:
+        while not self._closed:
+            self._pending.wait()
+            with self._lock:
+                for out in self.outgoing.values():
+                    if out.pending:
+                        out.push()
+                left = any(out.pending for out in self.outgoing.values())
+                if not left:
+                    self._pending.clear()
+            if left:
+                time.sleep(_PUSH_POLL_S)
+
+    def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> _Receive:
+        """Post a receive into a contiguous ``buffer``."""
+        receive = _Receive(self, src, tag, buffer)
+        incoming = self.incoming[src]
+        incoming.drain()
+        kept = incoming.arrived.get(tag)
+        if kept:
+            message = kept.popleft()
+            _check_size(message.numel(), receive, tag)
+            receive.bytes.copy_(message)
+            receive.done = True
+        else:
+            incoming.posted.setdefault(tag, deque()).append(receive)
+        return receive
+
+    def progress(self) -> bool:
+        """Move what can move, both ways; True if anything did."""
+        moved = False
+        with self._lock:
+            for out in self.outgoing.values():
+                if out.pending:
+                    moved |= out.push()
+        for incoming in self.incoming.values():
+            moved |= incoming.drain()
+        return moved
+
+    def wait_for(self, work: _Send | _Receive, what: str) -> None:
+        """Progress until ``work`` is done; spin briefly, then sleep on the pipes."""
+        if work.done:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        spin_until = time.perf_counter() + SPIN_S
+        pipes = [incoming.pipe for incoming in self.incoming.values()]
+        while True:
+            self.progress()
+            if work.done:
+                return
+            if time.perf_counter() < spin_until:
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(
+                    f"{what} timed out after {self.timeout_s:.0f} s (shared-memory point-to-point)"
+                )
+            blocked = any(out.pending for out in self.outgoing.values())
+            ready, _, _ = select.select(pipes, [], [], 1e-4 if blocked else 0.05)
+            for pipe in ready:
+                try:
+                    os.read(pipe, 1 << 16)
+                except BlockingIOError:
+                    pass
+
+    def close(self) -> None:
+        """Unmap the rings and close the pipes (the pusher stopped first)."""
+        self._closed = True
+        if self._pusher is not None:
+            self._pending.set()
+            self._pusher.join()
+        for side in (*self.incoming.values(), *self.outgoing.values()):
+            side.ring.close()
+            os.close(side.pipe)
+        self.incoming.clear()
+        self.outgoing.clear()
+
+
+def _exchange(peer: int, message: dict, tag: int) -> dict:
+    """Send ``message`` to ``peer`` and receive its, over gloo (both sides call it)."""
+    out = torch.zeros(_HANDSHAKE_BYTES, dtype=torch.uint8)
+    encoded = json.dumps(message).encode()
+    out[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    back = torch.zeros(_HANDSHAKE_BYTES, dtype=torch.uint8)
+    works = [dist.isend(out, dst=peer, tag=tag), dist.irecv(back, src=peer, tag=tag)]
+    for work in works:
+        work.wait()
+    return json.loads(bytes(back.tolist()).rstrip(b"\0").decode())
+
+
+def _make_ring(capacity: int) -> tuple[str | None, str]:
+    """A ring file and its pipe for a peer to write into; (None, why) where none can be."""
+    if not supported():
+        return None, "not x86-64"
+    try:
+        path = Ring.create(ring_directory(), capacity)
+        os.mkfifo(path + ".pipe", 0o600)
+        return path, ""
+    except OSError as error:
+        return None, str(error)
+
+
+def _open_pipe(path: str) -> int:
+    return os.open(path + ".pipe", os.O_RDWR | os.O_NONBLOCK)
+
+
+def connect(
+    peers: Iterable[int], *, timeout_s: float, capacity: int = RING_BYTES
+) -> SharedMemoryP2P:
+    """Agree with each peer (which calls it too, naming this rank) whether the pair moves
+    its messages through shared memory, and map the rings of the pairs that do."""
+    box = SharedMemoryP2P(timeout_s)
+    host = host_identity()
+    for peer in sorted(set(peers)):
+        path, _why = _make_ring(capacity)
+        theirs = _exchange(peer, {"host": host, "ring": path}, _HANDSHAKE_TAG)
+        opened = None
+        if path and theirs["ring"] and theirs["host"] == host:
+            try:
+                opened = Ring(theirs["ring"], capacity), _open_pipe(theirs["ring"])
+            except OSError:
+                opened = None
+        answer = _exchange(peer, {"opened": opened is not None}, _HANDSHAKE_TAG + 1)
+        mine = None
+        if path:
+            if answer["opened"] and opened is not None:
+                mine = Ring(path, capacity), _open_pipe(path)
+            os.unlink(path)
+            os.unlink(path + ".pipe")
+        if mine is not None and opened is not None:
+            box.incoming[peer] = _Incoming(*mine)
+            box.outgoing[peer] = _Outgoing(*opened)
+        elif opened is not None:
+            opened[0].close()
+            os.close(opened[1])
+    return box

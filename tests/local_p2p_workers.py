@@ -1,0 +1,119 @@
+"""Worker functions of tests/test_local_p2p.py (importable by launched workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from paratrain.runtime import local_p2p
+from paratrain.runtime.local_p2p import connect
+
+
+def _messages() -> dict[int, torch.Tensor]:
+    """Tagged messages of several sizes and dtypes, one empty."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        3: torch.randn(5, 7, generator=generator),
+        1: torch.arange(11, dtype=torch.int64),
+        2: torch.randn(300_000, generator=generator).to(torch.bfloat16),
+        7: torch.empty(0),
+        4: torch.tensor([True, False, True]),
+    }
+
+
+def out_of_order_worker(capacity: int, mode: str) -> dict:
+    """Rank 0 sends the messages in one order, rank 1 receives them in another: its
+    receives posted before the sends (``posted-first``), after the messages came
+    (``came-first``), or posted and waited on while rank 0 sits in a barrier, so that
+    what did not fit in the ring must move without rank 0's thread (``sender-blocked``).
+    Returns what rank 1 got."""
+    box = connect([1 - dist.get_rank()], timeout_s=60, capacity=capacity)
+    messages = _messages()
+    got = {}
+    if dist.get_rank() == 0:
+        if mode == "posted-first":
+            dist.barrier()  # rank 1 has posted
+        works = [box.isend(messages[tag], 1, tag) for tag in messages]
+        if mode != "posted-first":
+            dist.barrier()
+        for work in works:
+            work.wait()
+    else:
+        buffers = {tag: torch.empty_like(value) for tag, value in sorted(messages.items())}
+        if mode == "came-first":
+            dist.barrier()  # the messages have come, or some of them (the ring is full)
+        works = {tag: box.irecv(buffer, 0, tag) for tag, buffer in buffers.items()}
+        if mode == "posted-first":
+            dist.barrier()
+        for work in reversed(works.values()):
+            work.wait()
+        if mode == "sender-blocked":
+            dist.barrier()
+        got = buffers
+    covered = box.covers(1 - dist.get_rank())
+    box.close()
+    return {"got": got, "covered": covered}
+
+
+def both_ways_worker(capacity: int, count: int) -> dict:
+    """Both ranks send each other ``count`` messages larger than the ring before either
+    posts a receive, then receive them: sends must not block, and two waiting sides must
+    move each other's messages."""
+    rank = dist.get_rank()
+    peer = 1 - rank
+    box = connect([peer], timeout_s=60, capacity=capacity)
+    size = capacity  # four frames each
+    outgoing = [torch.full((size // 4,), float(rank * 100 + i)) for i in range(count)]
+    started = time.perf_counter()
+    sends = [box.isend(tensor, peer, i) for i, tensor in enumerate(outgoing)]
+    queued_s = time.perf_counter() - started
+    buffers = [torch.empty(size // 4) for _ in range(count)]
+    receives = [box.irecv(buffer, peer, i) for i, buffer in enumerate(buffers)]
+    for work in [*receives, *sends]:
+        work.wait()
+    box.close()
+    return {"values": [b.unique().tolist() for b in buffers], "queued_s": queued_s}
+
+
+def timeout_worker() -> str:
+    """Rank 1 waits for a message rank 0 never sends; returns the error's words."""
+    box = connect([1 - dist.get_rank()], timeout_s=1.0)
+    message = ""
+    if dist.get_rank() == 1:
+        try:
+            box.irecv(torch.empty(3), 0, 9).wait()
+        except RuntimeError as error:
+            message = str(error)
+    dist.barrier()
+    box.close()
+    return message
+
+
+def agreement_worker(other_host_rank: int | None) -> dict:
+    """Connect with the peer, rank ``other_host_rank`` pretending to run on another host;
+    returns whether the pair uses shared memory, and the ring files left behind."""
+    if dist.get_rank() == other_host_rank:
+        local_p2p.host_identity = lambda: "elsewhere/0"
+    before = set(os.listdir(local_p2p.ring_directory()))
+    box = connect([1 - dist.get_rank()], timeout_s=60)
+    dist.barrier()
+    after = set(os.listdir(local_p2p.ring_directory()))
+    covered = box.covers(1 - dist.get_rank())
+    box.close()
+    left = sorted(name for name in after - before if name.startswith("paratrain-ring-"))
+    return {"covered": covered, "left": left}
+
+
+def link_transport_worker() -> dict:
+    """Whether a CPU pipeline's links move their messages through shared memory."""
+    from paratrain.parallel.pipeline.chunks import chunk_links
+    from paratrain.runtime.mesh import Mesh
+
+    rank = dist.get_rank()
+    mesh = Mesh(1, 2, 1, 0, rank, 0, dp_group=None, tensor_group=None)
+    links = chunk_links(mesh, torch.device("cpu"), 2, window=2)
+    peer = 1 - rank
+    return {"shared": [link._local is not None and link._local.covers(peer) for link in links]}

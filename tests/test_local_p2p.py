@@ -1,0 +1,96 @@
+"""Shared-memory point-to-point messages between two workers on one host (``local_p2p``),
+and the receive buffers a pipeline link reuses (``receive_buffers``).
+
+Messages are bytes copied, so every comparison is exact (``torch.equal``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.parallel.pipeline.receive_buffers import ReceiveBuffers
+from paratrain.runtime.shm_ring import supported
+from tests import local_p2p_workers as workers
+from tests.local_p2p_workers import _messages
+
+pytestmark = pytest.mark.skipif(
+    not supported(), reason="the shared-memory ring is offered on x86-64 only"
+)
+
+
+@pytest.mark.parametrize("mode", ["posted-first", "came-first", "sender-blocked"])
+@pytest.mark.parametrize("capacity", [1 << 20, 64 << 10], ids=["ring-1MiB", "ring-64KiB"])
+def test_messages_arrive_exact_by_tag_in_any_order(capacity, mode):
+    """Sent in one order, received in another, posted before they come or after, or
+    while the sender sits in a collective; the 600 KB message crosses the 64 KiB ring in
+    frames of a quarter of it."""
+    results = paratrain.launch(workers.out_of_order_worker, devices=2, args=(capacity, mode))
+    got = results[1]["got"]
+    for tag, value in _messages().items():
+        assert got[tag].dtype == value.dtype and torch.equal(got[tag], value), tag
+    assert results[0]["covered"] and results[1]["covered"]
+
+
+def test_sends_never_block_and_two_waiting_sides_move_each_others_messages():
+    """Each side queues six messages of the ring's whole size before posting a receive:
+    the sends return at once (what fits is copied, the rest waits), and the waits, which
+    move both ways, complete with every value where it belongs."""
+    capacity, count = 64 << 10, 6
+    results = paratrain.launch(workers.both_ways_worker, devices=2, args=(capacity, count))
+    for rank, result in enumerate(results):
+        peer = 1 - rank
+        assert result["values"] == [[float(peer * 100 + i)] for i in range(count)]
+        assert result["queued_s"] < 5.0  # not a wait for the peer (the timeout is 60 s)
+
+
+def test_a_message_that_never_comes_times_out_with_a_sentence():
+    results = paratrain.launch(workers.timeout_worker, devices=2)
+    assert "receive of tag 9 from rank 0 timed out after 1 s" in results[1]
+
+
+@pytest.mark.parametrize("other_host", [None, 0, 1], ids=["same-host", "rank0-away", "rank1-away"])
+def test_a_pair_uses_shared_memory_only_when_both_sides_agree_and_leaves_no_file(other_host):
+    results = paratrain.launch(workers.agreement_worker, devices=2, args=(other_host,))
+    assert [r["covered"] for r in results] == [other_host is None] * 2
+    assert [r["left"] for r in results] == [[], []]
+
+
+@pytest.mark.parametrize("setting", [None, "gloo"])
+def test_a_cpu_pipelines_links_use_shared_memory_unless_told_gloo(monkeypatch, setting):
+    if setting:
+        monkeypatch.setenv("PARATRAIN_P2P", setting)
+    results = paratrain.launch(workers.link_transport_worker, devices=2)
+    assert [r["shared"] for r in results] == [[setting is None] * 2] * 2
+
+
+def test_a_receive_buffer_is_reused_only_once_nothing_holds_it():
+    """Held by autograd's saved input, or by a view, a buffer is not handed out again;
+    once nothing holds it, it is; shapes a round did not use are dropped."""
+    buffers = ReceiveBuffers(torch.device("cpu"))
+    if not buffers.reusing:
+        pytest.skip("this torch has no storage use count (torch._C._storage_Use_Count)")
+    shape = (4, 3)
+    x, raw = buffers.take(shape, torch.float32)
+    assert raw.dtype == torch.uint8 and raw.numel() == 48
+    first = x.data_ptr()
+    x.requires_grad_(True)
+    graph = (x * x).sum()  # keeps x for the backward
+    del x
+    y, _ = buffers.take(shape, torch.float32)
+    assert y.data_ptr() != first
+    second = y.data_ptr()
+    del graph
+    z, _ = buffers.take(shape, torch.float32)
+    assert z.data_ptr() == first  # free again once the graph is gone
+    view = z[1:]
+    del z, y
+    w, _ = buffers.take(shape, torch.float32)
+    assert w.data_ptr() == second  # the first is still held by the view
+    assert buffers.idle_bytes() == 0
+    del view, w
+    assert buffers.idle_bytes() == 2 * 48
+    buffers.new_round()  # the round used the shape: kept
+    assert buffers.idle_bytes() == 2 * 48
+    buffers.new_round()  # the next one did not: dropped
+    assert buffers.idle_bytes() == 0
