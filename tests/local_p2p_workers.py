@@ -92,19 +92,32 @@ def timeout_worker() -> str:
     return message
 
 
-def agreement_worker(other_host_rank: int | None) -> dict:
-    """Connect with the peer, rank ``other_host_rank`` pretending to run on another host;
-    returns whether the pair uses shared memory, and the ring files left behind."""
+def agreement_worker(other_host_rank: int | None, full_rank: int | None) -> dict:
+    """Connect with the peer, rank ``other_host_rank`` pretending to run on another host
+    and rank ``full_rank`` finding no room for its ring; returns whether the pair uses
+    shared memory, the warnings this rank gave, and the ring files left behind."""
+    import warnings
+
+    from paratrain.runtime.shm_ring import Ring
+
     if dist.get_rank() == other_host_rank:
         local_p2p.host_identity = lambda: "elsewhere/0"
+    if dist.get_rank() == full_rank:
+
+        def no_room(directory: str, capacity: int) -> str:
+            raise OSError(28, "No space left on device")
+
+        Ring.create = staticmethod(no_room)
     before = set(os.listdir(local_p2p.ring_directory()))
-    box = connect([1 - dist.get_rank()], timeout_s=60)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        box = connect([1 - dist.get_rank()], timeout_s=60)
     dist.barrier()
     after = set(os.listdir(local_p2p.ring_directory()))
     covered = box.covers(1 - dist.get_rank())
     box.close()
     left = sorted(name for name in after - before if name.startswith("paratrain-ring-"))
-    return {"covered": covered, "left": left}
+    return {"covered": covered, "left": left, "warned": [str(w.message) for w in caught]}
 
 
 def link_transport_worker() -> dict:
@@ -117,3 +130,38 @@ def link_transport_worker() -> dict:
     links = chunk_links(mesh, torch.device("cpu"), 2, window=2)
     peer = 1 - rank
     return {"shared": [link._local is not None and link._local.covers(peer) for link in links]}
+
+
+def dropped_worker() -> dict:
+    """A set of connections whose sends needed the pusher, dropped once done: returns
+    whether it was freed and its pipes closed (they are fds of this process)."""
+    import gc
+    import weakref
+
+    rank = dist.get_rank()
+    box = connect([1 - rank], timeout_s=60, capacity=64 << 10)
+    message = torch.arange(100_000, dtype=torch.float32)  # 400 KB: the pusher's work
+    if rank == 0:
+        work = box.isend(message, 1, 0)
+        dist.barrier()  # rank 1 takes it while this rank's thread sits here
+        work.wait()
+        del work  # a link drops its sends at its flush
+    else:
+        buffer = torch.empty_like(message)
+        box.irecv(buffer, 0, 0).wait()
+        dist.barrier()
+        assert torch.equal(buffer, message)
+    pipes = [side.pipe for side in (*box.incoming.values(), *box.outgoing.values())]
+    freed = weakref.ref(box)
+    del box
+    gc.collect()
+    time.sleep(0.01)  # the pusher's scan, if one was under way, lets go of it
+    gc.collect()
+    still_open = []
+    for pipe in pipes:
+        try:
+            os.fstat(pipe)
+            still_open.append(pipe)
+        except OSError:
+            pass
+    return {"freed": freed() is None, "open": still_open}

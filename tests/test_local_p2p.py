@@ -49,11 +49,25 @@ def test_a_message_that_never_comes_times_out_with_a_sentence():
     assert "receive of tag 9 from rank 0 timed out after 1 s" in results[1]
 
 
-@pytest.mark.parametrize("other_host", [None, 0, 1], ids=["same-host", "rank0-away", "rank1-away"])
-def test_a_pair_uses_shared_memory_only_when_both_sides_agree_and_leaves_no_file(other_host):
-    results = paratrain.launch(workers.agreement_worker, devices=2, args=(other_host,))
-    assert [r["covered"] for r in results] == [other_host is None] * 2
+@pytest.mark.parametrize(
+    ("other_host", "full"),
+    [(None, None), (0, None), (1, None), (None, 0)],
+    ids=["same-host", "rank0-away", "rank1-away", "rank0-no-room"],
+)
+def test_a_pair_uses_shared_memory_only_when_both_sides_agree_and_leaves_no_file(other_host, full):
+    """Both sides reach the same answer; on one host, a pair that keeps gloo says why
+    (a pair on two hosts keeps it silently: that is what gloo is for)."""
+    results = paratrain.launch(workers.agreement_worker, devices=2, args=(other_host, full))
+    same = other_host is None and full is None
+    assert [r["covered"] for r in results] == [same] * 2
     assert [r["left"] for r in results] == [[], []]
+    if full is None:
+        assert [r["warned"] for r in results] == [[], []]
+    else:
+        for result in results:
+            (warning,) = result["warned"]
+            assert "share a host but keep gloo" in warning
+            assert "No space left on device" in warning
 
 
 @pytest.mark.parametrize("setting", [None, "gloo"])
@@ -94,3 +108,16 @@ def test_a_receive_buffer_is_reused_only_once_nothing_holds_it():
     assert buffers.idle_bytes() == 2 * 48
     buffers.new_round()  # the next one did not: dropped
     assert buffers.idle_bytes() == 0
+
+
+def test_a_dropped_set_of_connections_is_freed_with_its_pipes():
+    """Whatever the pusher thread wrote for it, a set of connections whose engine is gone
+    is garbage like any object: its rings unmapped, its pipes closed."""
+    results = paratrain.launch(workers.dropped_worker, devices=2)
+    assert results == [{"freed": True, "open": []}] * 2
+
+
+def test_an_unknown_transport_is_refused_in_one_sentence(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_P2P", "shm")
+    with pytest.raises(paratrain.WorkerError, match="PARATRAIN_P2P='shm' names no transport"):
+        paratrain.launch(workers.link_transport_worker, devices=2)

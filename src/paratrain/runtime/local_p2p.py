@@ -34,20 +34,24 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
+import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from paratrain.runtime.shm_ring import Ring, supported
 
-RING_BYTES = 16 << 20
-"""Bytes of each direction's ring: a pipeline's messages of a round fit in most models,
-and a message larger moves in pieces."""
+RING_BYTES = 4 << 20
+"""Bytes of each direction's ring (mapped by both processes; outside torch's storages,
+the transport's own memory as gloo's buffers are gloo's). A message moves in frames of up
+to a quarter of it, what does not fit as the reader frees room."""
 SPIN_S = 50e-6
-_PUSH_POLL_S = 1e-4
 """How long a wait polls before sleeping on the pipe."""
+_PUSH_POLL_S = 1e-4
+"""How often the pusher looks again at a ring it found full."""
 _HANDSHAKE_TAG = 1 << 30
 _HANDSHAKE_BYTES = 1024
 ENV = "PARATRAIN_P2P"
@@ -219,9 +223,10 @@ class SharedMemoryP2P:
         self.incoming: dict[int, _Incoming] = {}
         self.outgoing: dict[int, _Outgoing] = {}
         self._lock = threading.Lock()  # the outgoing queues: this thread's and the pusher's
-        self._pending = threading.Event()
-        self._pusher: threading.Thread | None = None
-        self._closed = False
+        self.close_pipes: Callable[[], object] = lambda: None
+        """Closes the pipes once (``connect`` sets it, a finalizer of this object)."""
+        self.failure: BaseException | None = None
+        """What stopped the pusher writing this set's sends, raised by the next wait."""
 
     def covers(self, peer: int) -> bool:
         return peer in self.outgoing
@@ -242,23 +247,15 @@ class SharedMemoryP2P:
         """Have the pusher thread write what did not fit as the reader frees room: this
         thread may next block in a collective that the reader waits on for these bytes
         (a tensor group's all-reduce, say), so they must move without it."""
-        if self._pusher is None:
-            self._pusher = threading.Thread(target=self._push_loop, daemon=True)
-            self._pusher.start()
-        self._pending.set()
+        _PUSHER.add(self)
 
-    def _push_loop(self) -> None:
-        while not self._closed:
-            self._pending.wait()
-            with self._lock:
-                for out in self.outgoing.values():
-                    if out.pending:
-                        out.push()
-                left = any(out.pending for out in self.outgoing.values())
-                if not left:
-                    self._pending.clear()
-            if left:
-                time.sleep(_PUSH_POLL_S)
+    def push_pending(self) -> bool:
+        """Write what fits of the pending sends; True if some are left."""
+        with self._lock:
+            for out in self.outgoing.values():
+                if out.pending:
+                    out.push()
+            return any(out.pending for out in self.outgoing.values())
 
     def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> _Receive:
         """Post a receive into a contiguous ``buffer``."""
@@ -297,6 +294,8 @@ class SharedMemoryP2P:
             self.progress()
             if work.done:
                 return
+            if self.failure is not None:
+                raise RuntimeError(f"{what} failed: {self.failure}") from self.failure
             if time.perf_counter() < spin_until:
                 continue
             now = time.monotonic()
@@ -313,16 +312,65 @@ class SharedMemoryP2P:
                     pass
 
     def close(self) -> None:
-        """Unmap the rings and close the pipes (the pusher stopped first)."""
-        self._closed = True
-        if self._pusher is not None:
-            self._pending.set()
-            self._pusher.join()
-        for side in (*self.incoming.values(), *self.outgoing.values()):
+        """Unmap the rings and close the pipes now (a set that becomes garbage has its
+        pipes closed by ``close_pipes`` and its rings unmapped with it)."""
+        with self._lock:  # the pusher's scan holds it
+            sides = [*self.incoming.values(), *self.outgoing.values()]
+            self.incoming.clear()
+            self.outgoing.clear()
+        for side in sides:
             side.ring.close()
-            os.close(side.pipe)
-        self.incoming.clear()
-        self.outgoing.clear()
+        self.close_pipes()
+
+
+class _Pusher:
+    """One thread per process that writes the sends full rings left, for every set of
+    connections that has some; it holds them weakly, so a set whose engine is gone is
+    unmapped as usual."""
+
+    def __init__(self) -> None:
+        self._boxes: weakref.WeakSet[SharedMemoryP2P] = weakref.WeakSet()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    def add(self, box: SharedMemoryP2P) -> None:
+        with self._guard:
+            self._boxes.add(box)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()  # before the scan: a send queued during it wakes the next
+            if self._scan():
+                self._wake.set()
+                time.sleep(_PUSH_POLL_S)
+
+    def _scan(self) -> bool:
+        """Push every set's pending sends; True if some are left. Its own frame, so that
+        no reference to a set outlives the scan."""
+        with self._guard:
+            boxes = list(self._boxes)
+        done = [box for box in boxes if not _pushed_with_some_left(box)]
+        with self._guard:
+            for box in done:
+                self._boxes.discard(box)
+        return len(done) < len(boxes)
+
+
+def _pushed_with_some_left(box: SharedMemoryP2P) -> bool:
+    try:
+        return box.push_pending()
+    except Exception as error:  # reaches the user at this set's next wait
+        box.failure = error
+        return False
+
+
+_PUSHER = _Pusher()
 
 
 def _exchange(peer: int, message: dict, tag: int) -> dict:
@@ -341,12 +389,17 @@ def _make_ring(capacity: int) -> tuple[str | None, str]:
     """A ring file and its pipe for a peer to write into; (None, why) where none can be."""
     if not supported():
         return None, "not x86-64"
+    directory = ring_directory()
     try:
-        path = Ring.create(ring_directory(), capacity)
-        os.mkfifo(path + ".pipe", 0o600)
-        return path, ""
+        path = Ring.create(directory, capacity)
     except OSError as error:
-        return None, str(error)
+        return None, f"no ring of {capacity} bytes could be made in {directory} ({error})"
+    try:
+        os.mkfifo(path + ".pipe", 0o600)
+    except OSError as error:
+        os.unlink(path)
+        return None, f"no pipe could be made in {directory} ({error})"
+    return path, ""
 
 
 def _open_pipe(path: str) -> int:
@@ -360,26 +413,50 @@ def connect(
     its messages through shared memory, and map the rings of the pairs that do."""
     box = SharedMemoryP2P(timeout_s)
     host = host_identity()
-    for peer in sorted(set(peers)):
-        path, _why = _make_ring(capacity)
-        theirs = _exchange(peer, {"host": host, "ring": path}, _HANDSHAKE_TAG)
-        opened = None
-        if path and theirs["ring"] and theirs["host"] == host:
-            try:
-                opened = Ring(theirs["ring"], capacity), _open_pipe(theirs["ring"])
-            except OSError:
-                opened = None
-        answer = _exchange(peer, {"opened": opened is not None}, _HANDSHAKE_TAG + 1)
-        mine = None
-        if path:
+    for peer in sorted(set(peers)):  # every pair in one order on both sides: no deadlock
+        pair = _pair(peer, host, capacity)
+        if pair is not None:
+            box.incoming[peer], box.outgoing[peer] = pair
+    pipes = [side.pipe for side in (*box.incoming.values(), *box.outgoing.values())]
+    box.close_pipes = weakref.finalize(box, _close_all, pipes)
+    return box
+
+
+def _pair(peer: int, host: str, capacity: int) -> tuple[_Incoming, _Outgoing] | None:
+    """This rank's two sides of its connection with ``peer``, or None where the pair keeps
+    gloo (said in a warning where the two share a host: a full tmpfs, say)."""
+    path, why = _make_ring(capacity)
+    theirs = _exchange(peer, {"host": host, "ring": path, "why": why}, _HANDSHAKE_TAG)
+    opened = None
+    if path and theirs["ring"] and theirs["host"] == host:
+        try:
+            opened = Ring(theirs["ring"], capacity), _open_pipe(theirs["ring"])
+        except OSError as error:
+            why = f"could not map rank {peer}'s ring ({error})"
+    answer = _exchange(peer, {"opened": opened is not None, "why": why}, _HANDSHAKE_TAG + 1)
+    mine = None
+    if path:
+        try:
             if answer["opened"] and opened is not None:
                 mine = Ring(path, capacity), _open_pipe(path)
+        finally:
             os.unlink(path)
             os.unlink(path + ".pipe")
-        if mine is not None and opened is not None:
-            box.incoming[peer] = _Incoming(*mine)
-            box.outgoing[peer] = _Outgoing(*opened)
-        elif opened is not None:
-            opened[0].close()
-            os.close(opened[1])
-    return box
+    if mine is not None and opened is not None:
+        return _Incoming(*mine), _Outgoing(*opened)
+    if opened is not None:
+        opened[0].close()
+        os.close(opened[1])
+    if theirs["host"] == host and supported():
+        reason = why or theirs["why"] or answer["why"]
+        warnings.warn(
+            f"rank {dist.get_rank()} and rank {peer} share a host but keep gloo for their "
+            f"pipeline messages: {reason}.",
+            stacklevel=3,
+        )
+    return None
+
+
+def _close_all(pipes: list[int]) -> None:
+    for pipe in pipes:
+        os.close(pipe)

@@ -80,7 +80,13 @@ def chunk_links(mesh: Mesh, device: torch.device, chunks: int, *, window: int) -
 def local_transport(device: torch.device, peers: list[int]) -> SharedMemoryP2P | None:
     """Shared-memory connections with the ``peers`` on this host, for a CPU pipeline
     (``local_p2p``; ``PARATRAIN_P2P=gloo`` keeps gloo's); every peer makes the same call."""
-    if device.type != "cpu" or not peers or os.environ.get(P2P_ENV, "") == "gloo":
+    setting = os.environ.get(P2P_ENV, "").strip()
+    if setting not in ("", "gloo", "shared-memory"):
+        raise ValueError(
+            f"{P2P_ENV}={setting!r} names no transport; set it to gloo or shared-memory "
+            "(the default), or leave it unset."
+        )
+    if device.type != "cpu" or not peers or setting == "gloo":
         return None
     return connect(peers, timeout_s=comm.group_timeout_s())
 
