@@ -67,6 +67,7 @@ from paratrain.parallel.pipeline.timeline import (
     step_profile,
 )
 from paratrain.runtime.launch import thread_share
+from paratrain.runtime.local_p2p import ENV as P2P_ENV
 
 # Layers of equal size, so that stages can be balanced at layer granularity and the bubble
 # compares with the theory, which assumes equal stages.
@@ -537,6 +538,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds, steps, repeats = (2, 2, 1) if args.quick else (args.rounds, args.steps, args.repeats)
     print(f"torch {torch.__version__}, {repeats} launch(es) x {rounds} rounds x {steps} steps")
+    gloo = os.environ.get(P2P_ENV, "").strip() == "gloo"
+    print(
+        "paratrain's stages exchange messages through "
+        + (f"gloo ({P2P_ENV}=gloo)" if gloo else "shared memory (runtime/local_p2p.py)")
+        + "; torch's through gloo"
+    )
     print(HEADER, flush=True)
     rows = run(args.models, args.stages, args.schedules, rounds, steps, repeats, args.threads)
     print("\n".join(summary_lines(rows)), flush=True)

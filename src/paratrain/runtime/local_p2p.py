@@ -13,7 +13,7 @@ message of the process both ways.
 Messages are matched as gloo matches them: by source and tag, in order among equal tags;
 a message that comes before its receive is posted is kept aside (one copy more) until it
 is. Waiting spins briefly (a message usually comes within microseconds on an idle core),
-then sleeps on a named pipe that each writer pokes after every frame, so a waiting worker
+then sleeps on a named pipe that each writer pokes after it writes, so a waiting worker
 leaves its core to others. Every wait is bounded by the process group's timeout and then
 raises an error that says "timed out", which ``hang`` turns into one naming the peer.
 

@@ -72,7 +72,10 @@ class Ring:
         """A new ring file of ``capacity`` bytes, its memory reserved now (so a full
         tmpfs fails here with ENOSPC rather than later with SIGBUS); returns its path."""
         if capacity % HEADER or capacity < 16 * HEADER:
-            raise ValueError(f"a ring's capacity must be a multiple of {HEADER} bytes.")
+            raise ValueError(
+                f"a ring's capacity must be a multiple of {HEADER} bytes, at least "
+                f"{16 * HEADER}, not {capacity}."
+            )
         path = os.path.join(directory, f"paratrain-ring-{uuid.uuid4().hex}")
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -128,6 +131,6 @@ class Ring:
         self._read.value += HEADER + _padded(nbytes)
 
     def close(self) -> None:
-        """Drop the mapping (views of it must be gone first)."""
+        """Drop the mapping (its owner's last use of the ring)."""
         del self._frames, self._write, self._read
         self._map.close()
