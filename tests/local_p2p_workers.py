@@ -12,7 +12,7 @@ from paratrain.runtime import local_p2p
 from paratrain.runtime.local_p2p import connect
 
 
-def _messages() -> dict[int, torch.Tensor]:
+def sample_messages() -> dict[int, torch.Tensor]:
     """Tagged messages of several sizes and dtypes, one empty."""
     generator = torch.Generator().manual_seed(0)
     return {
@@ -31,7 +31,7 @@ def out_of_order_worker(capacity: int, mode: str) -> dict:
     what did not fit in the ring must move without rank 0's thread (``sender-blocked``).
     Returns what rank 1 got."""
     box = connect([1 - dist.get_rank()], timeout_s=60, capacity=capacity)
-    messages = _messages()
+    messages = sample_messages()
     got = {}
     if dist.get_rank() == 0:
         if mode == "posted-first":

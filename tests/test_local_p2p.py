@@ -12,7 +12,7 @@ import paratrain
 from paratrain.parallel.pipeline.receive_buffers import ReceiveBuffers
 from paratrain.runtime.shm_ring import supported
 from tests import local_p2p_workers as workers
-from tests.local_p2p_workers import _messages
+from tests.local_p2p_workers import sample_messages
 
 pytestmark = pytest.mark.skipif(
     not supported(), reason="the shared-memory ring is offered on x86-64 only"
@@ -27,7 +27,7 @@ def test_messages_arrive_exact_by_tag_in_any_order(capacity, mode):
     frames of a quarter of it."""
     results = paratrain.launch(workers.out_of_order_worker, devices=2, args=(capacity, mode))
     got = results[1]["got"]
-    for tag, value in _messages().items():
+    for tag, value in sample_messages().items():
         assert got[tag].dtype == value.dtype and torch.equal(got[tag], value), tag
     assert results[0]["covered"] and results[1]["covered"]
 

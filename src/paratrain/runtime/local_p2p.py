@@ -59,6 +59,18 @@ ENV = "PARATRAIN_P2P"
 both sides can."""
 
 
+def wanted() -> bool:
+    """Whether ``ENV`` leaves shared memory on (unset, or ``shared-memory``); a value that
+    names no transport is refused."""
+    setting = os.environ.get(ENV, "").strip()
+    if setting not in ("", "gloo", "shared-memory"):
+        raise ValueError(
+            f"{ENV}={setting!r} names no transport; set it to gloo or shared-memory "
+            "(the default), or leave it unset."
+        )
+    return setting != "gloo"
+
+
 def host_identity() -> str:
     """The host name and this boot of the kernel: two processes that share them share a
     host (and, where both can open the other's ring, its /dev/shm)."""
@@ -75,38 +87,38 @@ def ring_directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class _Send:
-    """One message on its way out: done once all its bytes are in the ring."""
+class _Work:
+    """A send or a posted receive of ``peer`` under ``tag``; ``wait`` moves messages (both
+    ways) until it is done, as a gloo work's ``wait`` does."""
+
+    what = "message of tag {tag} with rank {peer}"
+    """What a timeout names (formatted with ``tag`` and ``peer``)."""
 
     def __init__(self, box: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor) -> None:
         self.box, self.peer, self.tag = box, peer, tag
-        self.bytes = tensor.reshape(-1).view(torch.uint8)
-        self.sent = 0
+        flat = tensor.dtype == torch.uint8 and tensor.dim() == 1
+        self.bytes = tensor if flat else tensor.reshape(-1).view(torch.uint8)
         self.done = False
 
-    def is_completed(self) -> bool:
-        return self.done
-
     def wait(self) -> bool:
-        self.box.wait_for(self, f"send of tag {self.tag} to rank {self.peer}")
+        self.box.wait_for(self, self.what.format(tag=self.tag, peer=self.peer))
         return True
 
 
-class _Receive:
+class _Send(_Work):
+    """One message on its way out: done once all its bytes are in the ring."""
+
+    what = "send of tag {tag} to rank {peer}"
+
+    def __init__(self, box: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor) -> None:
+        super().__init__(box, peer, tag, tensor)
+        self.sent = 0
+
+
+class _Receive(_Work):
     """A posted receive: done once its buffer holds the message."""
 
-    def __init__(self, box: SharedMemoryP2P, peer: int, tag: int, buffer: torch.Tensor) -> None:
-        self.box, self.peer, self.tag = box, peer, tag
-        flat = buffer.dtype == torch.uint8 and buffer.dim() == 1
-        self.bytes = buffer if flat else buffer.reshape(-1).view(torch.uint8)
-        self.done = False
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def wait(self) -> bool:
-        self.box.wait_for(self, f"receive of tag {self.tag} from rank {self.peer}")
-        return True
+    what = "receive of tag {tag} from rank {peer}"
 
 
 def _check_size(message_bytes: int, receive: _Receive, tag: int) -> None:
@@ -120,7 +132,7 @@ def _check_size(message_bytes: int, receive: _Receive, tag: int) -> None:
 def finished(work: object) -> bool:
     """Whether ``work`` is this transport's and done (its wait would return at once); a
     gloo work always goes through its own ``wait``, which raises its errors."""
-    return isinstance(work, (_Send, _Receive)) and work.done
+    return isinstance(work, _Work) and work.done
 
 
 class _Incoming:
@@ -283,7 +295,7 @@ class SharedMemoryP2P:
             moved |= incoming.drain()
         return moved
 
-    def wait_for(self, work: _Send | _Receive, what: str) -> None:
+    def wait_for(self, work: _Work, what: str) -> None:
         """Progress until ``work`` is done; spin briefly, then sleep on the pipes."""
         if work.done:
             return

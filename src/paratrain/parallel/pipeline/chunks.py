@@ -13,7 +13,6 @@ the messages of plain schedules are unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,7 @@ from torch import nn
 
 from paratrain.parallel.pipeline.p2p import StageLink
 from paratrain.runtime import comm
-from paratrain.runtime.local_p2p import ENV as P2P_ENV
-from paratrain.runtime.local_p2p import SharedMemoryP2P, connect
+from paratrain.runtime.local_p2p import SharedMemoryP2P, connect, wanted
 from paratrain.runtime.mesh import Mesh
 
 
@@ -80,13 +78,7 @@ def chunk_links(mesh: Mesh, device: torch.device, chunks: int, *, window: int) -
 def local_transport(device: torch.device, peers: list[int]) -> SharedMemoryP2P | None:
     """Shared-memory connections with the ``peers`` on this host, for a CPU pipeline
     (``local_p2p``; ``PARATRAIN_P2P=gloo`` keeps gloo's); every peer makes the same call."""
-    setting = os.environ.get(P2P_ENV, "").strip()
-    if setting not in ("", "gloo", "shared-memory"):
-        raise ValueError(
-            f"{P2P_ENV}={setting!r} names no transport; set it to gloo or shared-memory "
-            "(the default), or leave it unset."
-        )
-    if device.type != "cpu" or not peers or setting == "gloo":
+    if device.type != "cpu" or not peers or not wanted():
         return None
     return connect(peers, timeout_s=comm.group_timeout_s())
 

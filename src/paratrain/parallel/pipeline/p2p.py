@@ -256,15 +256,20 @@ class StageLink:
             self._activations[micro] = posted
             self._next_to_post += 1
 
+    def _local_for(self, peer: int) -> SharedMemoryP2P | None:
+        """The shared-memory connections where they cover ``peer``, else None (gloo)."""
+        return self._local if self._local is not None and self._local.covers(peer) else None
+
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        local = self._local if self._local is not None and self._local.covers(dst) else None
-        self._sends.append((comm.send_async(tensor, dst=dst, tag=tag, via=local), tensor))
+        via = self._local_for(dst)
+        self._sends.append((comm.send_async(tensor, dst=dst, tag=tag, via=via), tensor))
 
     def _irecv(self, buffer: torch.Tensor, raw: torch.Tensor | None, src: int, tag: int):
         """Post a receive into ``buffer`` (``raw``: its bytes, a flat uint8 view, which the
         shared-memory transport fills)."""
-        if self._local is not None and self._local.covers(src):
-            return self._local.irecv(buffer if raw is None else raw, src, tag)
+        local = self._local_for(src)
+        if local is not None:
+            return local.irecv(buffer if raw is None else raw, src, tag)
         return dist.irecv(buffer, src=src, tag=tag)
 
 
