@@ -58,6 +58,30 @@ def out_of_order_worker(capacity: int, mode: str) -> dict:
     return {"got": got, "covered": covered}
 
 
+def waiting_in_ring_worker() -> dict:
+    """Rank 0's message is whole in the ring before rank 1 posts its receive: rank 1
+    reports whether the receive was done at once and whether the message was ever kept
+    aside (an extra buffer and copy) rather than copied straight into its buffer."""
+    box = connect([1 - dist.get_rank()], timeout_s=60)
+    message = torch.arange(40_000, dtype=torch.float32)
+    result = {}
+    if dist.get_rank() == 0:
+        box.isend(message, 1, 5).wait()  # done: every byte is in the ring
+        dist.barrier()
+    else:
+        dist.barrier()
+        buffer = torch.empty_like(message)
+        receive = box.irecv(buffer, 0, 5)
+        result = {
+            "done": receive.done,
+            "kept_aside": 5 in box.incoming[0].arrived,
+            "exact": torch.equal(buffer, message),
+        }
+    dist.barrier()
+    box.close()
+    return result
+
+
 def both_ways_worker(capacity: int, count: int) -> dict:
     """Both ranks send each other ``count`` messages larger than the ring before either
     posts a receive, then receive them: sends must not block, and two waiting sides must

@@ -32,6 +32,13 @@ def test_messages_arrive_exact_by_tag_in_any_order(capacity, mode):
     assert results[0]["covered"] and results[1]["covered"]
 
 
+def test_a_message_waiting_in_the_ring_goes_straight_into_the_receive_posted_for_it():
+    """A sender often runs ahead of its receiver: the receive posted after its message
+    came takes it from the ring into its own buffer, not through a buffer kept aside."""
+    result = paratrain.launch(workers.waiting_in_ring_worker, devices=2)[1]
+    assert result == {"done": True, "kept_aside": False, "exact": True}
+
+
 def test_sends_never_block_and_two_waiting_sides_move_each_others_messages():
     """Each side queues six messages of the ring's whole size before posting a receive:
     the sends return at once (what fits is copied, the rest waits), and the waits, which

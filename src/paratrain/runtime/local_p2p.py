@@ -270,10 +270,11 @@ class SharedMemoryP2P:
             return any(out.pending for out in self.outgoing.values())
 
     def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> _Receive:
-        """Post a receive into a contiguous ``buffer``."""
+        """Post a receive into a contiguous ``buffer``: matched with a message kept aside
+        if one is, else posted first and then what has come is taken, so that its message,
+        if it is in the ring, goes straight into ``buffer`` (not kept aside, then copied)."""
         receive = _Receive(self, src, tag, buffer)
         incoming = self.incoming[src]
-        incoming.drain()
         kept = incoming.arrived.get(tag)
         if kept:
             message = kept.popleft()
@@ -282,6 +283,7 @@ class SharedMemoryP2P:
             receive.done = True
         else:
             incoming.posted.setdefault(tag, deque()).append(receive)
+        incoming.drain()
         return receive
 
     def progress(self) -> bool:
