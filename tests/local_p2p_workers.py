@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -189,3 +190,24 @@ def dropped_worker() -> dict:
         except OSError:
             pass
     return {"freed": freed() is None, "open": still_open}
+
+
+def ending_peer_process(rank: int, init_file: str, out: str) -> None:
+    """A pair started without the launcher (which would stop rank 1 as soon as rank 0
+    ended): rank 0 ends once the pair is connected; rank 1 waits for a message from it
+    and writes what its wait raised, and after how long."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    box = connect([1 - rank], timeout_s=30)
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        box.irecv(torch.empty(4), 0, 1).wait()
+        raised = ""
+    except RuntimeError as error:
+        raised = str(error)
+    found = {"raised": raised, "seconds": time.monotonic() - start, "covered": box.covers(0)}
+    with open(out, "w") as file:
+        json.dump(found, file)
+    os._exit(0)

@@ -5,15 +5,25 @@ Messages are bytes copied, so every comparison is exact (``torch.equal``)."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import subprocess
+import time
+
 import pytest
 import torch
 
 import paratrain
 from paratrain.parallel.pipeline.receive_buffers import ReceiveBuffers
+from paratrain.runtime.local_p2p import PeerProcess
 from paratrain.runtime.shm_ring import supported
 from tests import local_p2p_workers as workers
 from tests.local_p2p_workers import sample_messages
 
+NEEDS_PROC = pytest.mark.skipif(
+    not os.path.exists("/proc/self/stat"), reason="a peer's process is watched through /proc"
+)
 pytestmark = pytest.mark.skipif(
     not supported(), reason="the shared-memory ring is offered on x86-64 only"
 )
@@ -37,6 +47,59 @@ def test_a_message_waiting_in_the_ring_goes_straight_into_the_receive_posted_for
     came takes it from the ring into its own buffer, not through a buffer kept aside."""
     result = paratrain.launch(workers.waiting_in_ring_worker, devices=2)[1]
     assert result == {"done": True, "kept_aside": False, "exact": True}
+
+
+@NEEDS_PROC
+def test_a_wait_on_a_peer_whose_process_ended_says_so_without_waiting_out_the_timeout(tmp_path):
+    """gloo's socket fails at once when its peer ends; a ring cannot tell, so the wait
+    looks at the peer's process (timeout 30 s here: without the look, it waits them out)."""
+    context = multiprocessing.get_context("spawn")
+    init, out = str(tmp_path / "init"), str(tmp_path / "out.json")
+    ranks = [
+        context.Process(target=workers.ending_peer_process, args=(rank, init, out))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(90)
+    found = json.loads((tmp_path / "out.json").read_text())
+    assert found["covered"]
+    assert (
+        "rank 0's process" in found["raised"]
+        and "ended before the message moved" in (found["raised"])
+    )
+    assert found["seconds"] < 10
+
+
+@NEEDS_PROC
+def test_a_peer_process_reads_as_ended_once_gone_a_zombie_or_its_number_reused():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"/proc/{child.pid}/stat") as file:
+            started = file.read().rpartition(")")[2].split()[19]
+        watched = PeerProcess(child.pid, started)
+        assert not watched.ended()
+        assert PeerProcess(child.pid, started + "0").ended()  # another process, that number
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not watched.ended() and time.monotonic() < deadline:  # a zombie, not reaped
+            time.sleep(0.01)
+        assert watched.ended()
+    finally:
+        child.kill()
+        child.wait()
+    assert watched.ended()  # reaped: no entry at all
+
+
+@NEEDS_PROC
+def test_a_peer_in_another_process_namespace_is_not_watched():
+    """Its number would name another process here; the timeout stays the bound."""
+    mine = PeerProcess.identity()
+    assert mine is not None and PeerProcess.watch(mine) is not None
+    assert not PeerProcess.watch(mine).ended()
+    assert PeerProcess.watch({**mine, "namespace": "pid:[1]"}) is None
+    assert PeerProcess.watch(None) is None
 
 
 def test_sends_never_block_and_two_waiting_sides_move_each_others_messages():

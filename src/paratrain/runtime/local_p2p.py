@@ -22,6 +22,12 @@ reads, tells the other its path and host, and each says whether it could open th
 a pair uses shared memory only when both could, and gloo otherwise (another host, a
 separate /dev/shm, a full tmpfs, not x86-64). The files are unlinked as soon as both
 sides have them mapped, so nothing is left behind once the processes end.
+
+A peer that ends: gloo's socket tells its neighbour at once, a ring cannot. So each side
+also tells the other its process (``PeerProcess``), and a wait that sleeps looks every
+``PEER_CHECK_S`` whether the peer it waits on still runs, and if not, says so rather than
+waiting out the group's timeout (where the two see different process namespaces, it
+cannot look, and the timeout stays the bound).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ the transport's own memory as gloo's buffers are gloo's). A message moves in fra
 to a quarter of it, what does not fit as the reader frees room."""
 SPIN_S = 50e-6
 """How long a wait polls before sleeping on the pipe."""
+PEER_CHECK_S = 0.1
+"""How often a sleeping wait looks whether its peer's process still runs."""
 _PUSH_POLL_S = 1e-4
 """How often the pusher looks again at a ring it found full."""
 _HANDSHAKE_TAG = 1 << 30
@@ -85,6 +93,50 @@ def host_identity() -> str:
 def ring_directory() -> str:
     """/dev/shm where it exists (memory, never a disk), else the temporary directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class PeerProcess:
+    """A peer's process, as this process sees it in /proc: gone once its entry is gone or
+    it is a zombie, or its number belongs to a process started at another time."""
+
+    def __init__(self, pid: int, started: str) -> None:
+        self.pid, self.started = pid, started
+
+    @staticmethod
+    def identity() -> dict | None:
+        """What a peer needs to watch this process (None where /proc cannot say)."""
+        try:
+            namespace = os.readlink("/proc/self/ns/pid")
+            _, started = _stat("self")
+        except (OSError, IndexError):
+            return None
+        return {"pid": os.getpid(), "started": started, "namespace": namespace}
+
+    @classmethod
+    def watch(cls, theirs: dict | None) -> PeerProcess | None:
+        """The peer of ``identity()`` ``theirs``, where this process can watch it: the
+        same process namespace (a number means the same process on both sides)."""
+        mine = cls.identity()
+        if not theirs or not mine or theirs["namespace"] != mine["namespace"]:
+            return None
+        return cls(int(theirs["pid"]), str(theirs["started"]))
+
+    def ended(self) -> bool:
+        try:
+            state, started = _stat(str(self.pid))
+        except FileNotFoundError:
+            return True
+        except (OSError, IndexError):  # cannot tell: the timeout stays the bound
+            return False
+        return state in ("Z", "X", "x") or started != self.started
+
+
+def _stat(pid: str) -> tuple[str, str]:
+    """A process's state and start time (fields 3 and 22 of /proc/PID/stat; the command
+    name before them may hold spaces and parentheses, so they are counted from its end)."""
+    with open(f"/proc/{pid}/stat") as file:
+        fields = file.read().rpartition(")")[2].split()
+    return fields[0], fields[19]
 
 
 class _Work:
@@ -239,6 +291,8 @@ class SharedMemoryP2P:
         """Closes the pipes once (``connect`` sets it, a finalizer of this object)."""
         self.failure: BaseException | None = None
         """What stopped the pusher writing this set's sends, raised by the next wait."""
+        self.peer_processes: dict[int, PeerProcess] = {}
+        """The peers' processes, where this process can watch them (``PeerProcess``)."""
 
     def covers(self, peer: int) -> bool:
         return peer in self.outgoing
@@ -302,6 +356,7 @@ class SharedMemoryP2P:
         if work.done:
             return
         deadline = time.monotonic() + self.timeout_s
+        look_at_peer = time.monotonic() + PEER_CHECK_S
         spin_until = time.perf_counter() + SPIN_S
         pipes = [incoming.pipe for incoming in self.incoming.values()]
         while True:
@@ -317,6 +372,9 @@ class SharedMemoryP2P:
                 raise RuntimeError(
                     f"{what} timed out after {self.timeout_s:.0f} s (shared-memory point-to-point)"
                 )
+            if now > look_at_peer:
+                look_at_peer = now + PEER_CHECK_S
+                self._check_peer(work.peer, what)
             blocked = any(out.pending for out in self.outgoing.values())
             ready, _, _ = select.select(pipes, [], [], 1e-4 if blocked else 0.05)
             for pipe in ready:
@@ -324,6 +382,15 @@ class SharedMemoryP2P:
                     os.read(pipe, 1 << 16)
                 except BlockingIOError:
                     pass
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        """Raise if ``peer``'s process has ended (nothing more will come from it)."""
+        process = self.peer_processes.get(peer)
+        if process is not None and process.ended():
+            raise RuntimeError(
+                f"{what} failed: rank {peer}'s process ({process.pid}) ended before the "
+                f"message moved; that rank's own error says why."
+            )
 
     def close(self) -> None:
         """Unmap the rings and close the pipes now (a set that becomes garbage has its
@@ -430,17 +497,23 @@ def connect(
     for peer in sorted(set(peers)):  # every pair in one order on both sides: no deadlock
         pair = _pair(peer, host, capacity)
         if pair is not None:
-            box.incoming[peer], box.outgoing[peer] = pair
+            box.incoming[peer], box.outgoing[peer], process = pair
+            if process is not None:
+                box.peer_processes[peer] = process
     pipes = [side.pipe for side in (*box.incoming.values(), *box.outgoing.values())]
     box.close_pipes = weakref.finalize(box, _close_all, pipes)
     return box
 
 
-def _pair(peer: int, host: str, capacity: int) -> tuple[_Incoming, _Outgoing] | None:
-    """This rank's two sides of its connection with ``peer``, or None where the pair keeps
-    gloo (said in a warning where the two share a host: a full tmpfs, say)."""
+def _pair(
+    peer: int, host: str, capacity: int
+) -> tuple[_Incoming, _Outgoing, PeerProcess | None] | None:
+    """This rank's two sides of its connection with ``peer`` and the peer's process where
+    it can be watched, or None where the pair keeps gloo (said in a warning where the two
+    share a host: a full tmpfs, say)."""
     path, why = _make_ring(capacity)
-    theirs = _exchange(peer, {"host": host, "ring": path, "why": why}, _HANDSHAKE_TAG)
+    offer = {"host": host, "ring": path, "why": why, "process": PeerProcess.identity()}
+    theirs = _exchange(peer, offer, _HANDSHAKE_TAG)
     opened = None
     if path and theirs["ring"] and theirs["host"] == host:
         try:
@@ -457,7 +530,7 @@ def _pair(peer: int, host: str, capacity: int) -> tuple[_Incoming, _Outgoing] | 
             os.unlink(path)
             os.unlink(path + ".pipe")
     if mine is not None and opened is not None:
-        return _Incoming(*mine), _Outgoing(*opened)
+        return _Incoming(*mine), _Outgoing(*opened), PeerProcess.watch(theirs.get("process"))
     if opened is not None:
         opened[0].close()
         os.close(opened[1])
