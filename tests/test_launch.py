@@ -81,6 +81,8 @@ def test_root_cause_prefers_the_non_communication_error():
     }
     assert _root_cause(failures) == 2
     assert _root_cause({1: "gloo: x", 3: "gloo: y"}) == 1
+    ended = "paratrain.runtime.local_p2p.PeerProcessEnded: rank 1's process (7) ended"
+    assert _root_cause({0: f"Traceback...\n{ended}", 1: "Traceback...\nValueError: x"}) == 1
 
 
 def test_inside_torchrun_runs_in_this_process(monkeypatch):

@@ -51,6 +51,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from paratrain.runtime.hang import STORE_ENV
+from paratrain.runtime.local_p2p import PeerProcessEnded
 
 ELASTIC_KEY = "paratrain/launch/elastic"
 """Set by the workers of an elastic job: its terms (``ElasticTerms`` as JSON)."""
@@ -67,7 +68,13 @@ POST_WAIT_S = 5.0
 """How long a survivor whose collective failed waits for the launcher's post. The launcher
 notices an exit within 0.35 s (its poll and the grace it gives a last result); a crashing
 worker first prints its traceback; 5 s covers both on a loaded machine."""
-_COMM_ERROR_MARKERS = ("Connection closed by peer", "Connection reset", "gloo", "Timed out")
+_COMM_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset",
+    "gloo",
+    "Timed out",
+    PeerProcessEnded.__name__,
+)
 
 
 class ElasticShortfall(RuntimeError):

@@ -27,7 +27,9 @@ A peer that ends: gloo's socket tells its neighbour at once, a ring cannot. So e
 also tells the other its process (``PeerProcess``), and a wait that sleeps looks every
 ``PEER_CHECK_S`` whether the peer it waits on still runs, and if not, says so rather than
 waiting out the group's timeout (where the two see different process namespaces, it
-cannot look, and the timeout stays the bound).
+cannot look, and the timeout stays the bound). Its error (``PeerProcessEnded``) is one the
+launcher reads as a consequence, as it reads gloo's closed connection, so what the user
+sees is the error of the rank that failed first.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def host_identity() -> str:
 def ring_directory() -> str:
     """/dev/shm where it exists (memory, never a disk), else the temporary directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class PeerProcessEnded(RuntimeError):
+    """A wait's peer process ended before its message moved: a consequence of that
+    rank's failure, not this one's (the launcher reports that rank's error, as it does
+    when gloo's connection to a peer closes)."""
 
 
 class PeerProcess:
@@ -387,7 +395,7 @@ class SharedMemoryP2P:
         """Raise if ``peer``'s process has ended (nothing more will come from it)."""
         process = self.peer_processes.get(peer)
         if process is not None and process.ended():
-            raise RuntimeError(
+            raise PeerProcessEnded(
                 f"{what} failed: rank {peer}'s process ({process.pid}) ended before the "
                 f"message moved; that rank's own error says why."
             )
