@@ -206,7 +206,7 @@ def ending_peer_process(rank: int, init_file: str, out: str) -> None:
         box.irecv(torch.empty(4), 0, 1).wait()
         raised = ""
     except RuntimeError as error:
-        raised = str(error)
+        raised = f"{type(error).__name__}: {error}"
     found = {"raised": raised, "seconds": time.monotonic() - start, "covered": box.covers(0)}
     with open(out, "w") as file:
         json.dump(found, file)
