@@ -96,10 +96,11 @@ def test_a_peer_process_reads_as_ended_once_gone_a_zombie_or_its_number_reused()
 def test_a_peer_in_another_process_namespace_is_not_watched():
     """Its number would name another process here; the timeout stays the bound."""
     mine = PeerProcess.identity()
-    assert mine is not None and PeerProcess.watch(mine) is not None
-    assert not PeerProcess.watch(mine).ended()
-    assert PeerProcess.watch({**mine, "namespace": "pid:[1]"}) is None
-    assert PeerProcess.watch(None) is None
+    assert mine is not None and PeerProcess.watch(mine, mine) is not None
+    assert not PeerProcess.watch(mine, mine).ended()
+    assert PeerProcess.watch({**mine, "namespace": "pid:[1]"}, mine) is None
+    assert PeerProcess.watch(None, mine) is None
+    assert PeerProcess.watch(mine, None) is None  # this process cannot say its own
 
 
 def test_sends_never_block_and_two_waiting_sides_move_each_others_messages():

@@ -68,13 +68,15 @@ POST_WAIT_S = 5.0
 """How long a survivor whose collective failed waits for the launcher's post. The launcher
 notices an exit within 0.35 s (its poll and the grace it gives a last result); a crashing
 worker first prints its traceback; 5 s covers both on a loaded machine."""
-_COMM_ERROR_MARKERS = (
+PEER_GONE_MARKERS = (
     "Connection closed by peer",
     "Connection reset",
     "gloo",
-    "Timed out",
     PeerProcessEnded.__name__,
 )
+"""What a worker's error says where it only noticed that a peer went away (gloo's socket,
+or a shared-memory wait whose peer's process ended); the launcher reads them too."""
+_COMM_ERROR_MARKERS = (*PEER_GONE_MARKERS, "Timed out")
 
 
 class ElasticShortfall(RuntimeError):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.runtime.devices import process_group_backend
-from paratrain.runtime.elastic import JOINING_ENV, ElasticReferee
+from paratrain.runtime.elastic import JOINING_ENV, PEER_GONE_MARKERS, ElasticReferee
 from paratrain.runtime.external_job import (
     CHILD_FLAG,
     check_job_devices,
@@ -35,20 +35,13 @@ from paratrain.runtime.external_job import (
     run_in_external_job,
 )
 from paratrain.runtime.hang import STORE_ENV
-from paratrain.runtime.local_p2p import PeerProcessEnded
 from paratrain.runtime.parent_death import launcher_pid_exported
 from paratrain.runtime.signals import forwarding_termination, ignore_interrupts
 from paratrain.runtime.worker_start import DeferredCall, WorkerPreparation, worker_start
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("auto", "gloo", "nccl")
-_COMM_ERROR_MARKERS = (
-    "DistBackendError",
-    "Connection closed by peer",
-    "Connection reset",
-    "gloo",
-    PeerProcessEnded.__name__,
-)
+_COMM_ERROR_MARKERS = ("DistBackendError", *PEER_GONE_MARKERS)
 TOLERATE_LOST_WORKERS_KEY = "paratrain/launch/tolerate_lost_workers"
 
 

@@ -121,10 +121,9 @@ class PeerProcess:
         return {"pid": os.getpid(), "started": started, "namespace": namespace}
 
     @classmethod
-    def watch(cls, theirs: dict | None) -> PeerProcess | None:
-        """The peer of ``identity()`` ``theirs``, where this process can watch it: the
-        same process namespace (a number means the same process on both sides)."""
-        mine = cls.identity()
+    def watch(cls, theirs: dict | None, mine: dict | None) -> PeerProcess | None:
+        """The peer of ``identity()`` ``theirs``, where this process (``mine``) can watch
+        it: the same process namespace (a number means the same process on both sides)."""
         if not theirs or not mine or theirs["namespace"] != mine["namespace"]:
             return None
         return cls(int(theirs["pid"]), str(theirs["started"]))
@@ -363,8 +362,8 @@ class SharedMemoryP2P:
         """Progress until ``work`` is done; spin briefly, then sleep on the pipes."""
         if work.done:
             return
-        deadline = time.monotonic() + self.timeout_s
-        look_at_peer = time.monotonic() + PEER_CHECK_S
+        began = time.monotonic()
+        deadline, look_at_peer = began + self.timeout_s, began + PEER_CHECK_S
         spin_until = time.perf_counter() + SPIN_S
         pipes = [incoming.pipe for incoming in self.incoming.values()]
         while True:
@@ -520,7 +519,8 @@ def _pair(
     it can be watched, or None where the pair keeps gloo (said in a warning where the two
     share a host: a full tmpfs, say)."""
     path, why = _make_ring(capacity)
-    offer = {"host": host, "ring": path, "why": why, "process": PeerProcess.identity()}
+    me = PeerProcess.identity()
+    offer = {"host": host, "ring": path, "why": why, "process": me}
     theirs = _exchange(peer, offer, _HANDSHAKE_TAG)
     opened = None
     if path and theirs["ring"] and theirs["host"] == host:
@@ -538,7 +538,7 @@ def _pair(
             os.unlink(path)
             os.unlink(path + ".pipe")
     if mine is not None and opened is not None:
-        return _Incoming(*mine), _Outgoing(*opened), PeerProcess.watch(theirs.get("process"))
+        return _Incoming(*mine), _Outgoing(*opened), PeerProcess.watch(theirs.get("process"), me)
     if opened is not None:
         opened[0].close()
         os.close(opened[1])
