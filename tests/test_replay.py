@@ -24,6 +24,7 @@ from paratrain.parallel.pipeline.replay import (
     replayed_theory,
     stage_durations,
     step_replay,
+    stepwise_ratios,
     stepwise_theory,
     timeline_replay,
 )
@@ -128,12 +129,14 @@ def _synthetic_run(
     chunks: int = 1,
     *,
     late: float = 0.0,
+    late_steps: tuple[int, ...] = (0, 1, 2),
     delayed: tuple[int, int, str, int, float] | None = None,
 ):
     """Three steps of ``name`` replayed on TRUE (a stage's chunks alike; an unsplit B is
     B + W) and HOP, one second apart, written as the engine writes its timeline; step 0
     runs everything 1 ms slower (warm-up), which the replay must leave out; with ``late``,
-    stage 1's B of micro-batch 0 takes that much longer in every step; with ``delayed``
+    stage 1's B of micro-batch 0 takes that much longer in every step of ``late_steps``;
+    with ``delayed``
     (stage, chunk, kind, micro, seconds), that pass starts so much later than it could in
     every step, lasting its own time (an engine's gap before it)."""
     schedule = build_schedule(name, stages, micro, chunks)
@@ -152,8 +155,8 @@ def _synthetic_run(
             key = (stage, action.chunk, action.kind, action.micro)
             return delayed[4] if delayed is not None and key == delayed[:4] else 0.0
 
-        def length(stage, action, slow=slow):
-            extra = late if (stage, action.kind, action.micro) == (1, "B", 0) else 0.0
+        def length(stage, action, slow=slow, late_now=late if step in late_steps else 0.0):
+            extra = late_now if (stage, action.kind, action.micro) == (1, "B", 0) else 0.0
             return seconds(stage, action.chunk, action.kind, slow) + extra + gap(stage, action)
 
         placed = place_actions(schedule, length, hop=HOP)
@@ -207,6 +210,22 @@ def test_a_step_replayed_on_its_own_passes_keeps_the_wait_a_late_pass_causes(tmp
     steps = sorted({e.step for e in timeline.events})
     assert stepwise_theory(timeline) == pytest.approx(measured_bubble(timeline), abs=1e-10)
     assert step_replay(timeline, steps[1], hop_s=HOP).bubble > truth.bubble
+
+
+def test_each_step_is_judged_against_its_own_replay(tmp_path):
+    """Where the engine adds nothing, each step's measured bubble is its own replay's,
+    a late pass included (the wait it causes is the schedule's); a gap before one pass in
+    every step raises each step's ratio by what that gap adds to the step's idle time."""
+    timeline, _ = _synthetic_run(tmp_path, "1f1b", 2, 4, 1, late=3.0, late_steps=(1,))
+    ratios = stepwise_ratios(timeline, hop_s=HOP)
+    assert len(ratios) == 2  # the measured steps: the warm-up step is left out
+    assert ratios == pytest.approx([1.0, 1.0], abs=1e-9)  # step 1's late pass, step 2 none
+    # the steps differ: the median measured step against the median replay would not be 1
+    assert measured_bubble(timeline) / stepwise_theory(timeline, hop_s=HOP) != pytest.approx(1)
+    timeline, truth = _synthetic_run(tmp_path, "zb-h1", 2, 4, delayed=(1, 0, "F", 2, 0.4e-3))
+    expected = measured_bubble(timeline) / truth.bubble
+    assert expected > 1.0
+    assert stepwise_ratios(timeline, hop_s=HOP) == pytest.approx([expected] * 2, abs=1e-9)
 
 
 def test_a_timeline_with_several_rounds_per_step_is_refused(tmp_path):

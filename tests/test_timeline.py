@@ -372,7 +372,10 @@ def test_summarize_reports_the_numbers(tmp_path):
     )
     assert "measured/theory     1.00" in text
     own = next(line for line in text.splitlines() if "on its own passes" in line)
-    assert "20.0% (this schedule replayed on each step's own passes; measured/that 1.00)" in own
+    assert (
+        "20.0% (this schedule replayed on each step's own passes; measured/that 1.00, step by step)"
+        in own
+    )
     assert "steps recorded      3 (0-2)" in text
     assert "balance             [3, 2]\n  recompute           False" in text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]

@@ -34,7 +34,9 @@ from paratrain.parallel.pipeline.timeline import (
     StageEvent,
     Timeline,
     TimelineError,
+    bubble_of,
     measured_steps,
+    step_profile,
 )
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "replayed_theory",
     "stage_durations",
     "step_replay",
+    "stepwise_ratios",
     "stepwise_theory",
     "timeline_replay",
 ]
@@ -286,6 +289,25 @@ def stepwise_theory(timeline: Timeline, replica: int = 0, *, hop_s: float | None
         step_replay(timeline, step, replica, hop_s=hop).bubble
         for step in measured_steps(timeline, replica)
     )
+
+
+def stepwise_ratios(
+    timeline: Timeline, replica: int = 0, *, hop_s: float | None = None
+) -> list[float]:
+    """Each measured step's bubble over its own ``step_replay``'s, with ``hop_s`` per
+    message (the run's ``message_time`` where not given); a step whose replay has no
+    bubble is left out. What the engine idles beyond the schedule, judged step by step:
+    a step paired with its own replay, not the median measured step with the median
+    replay, which may be another step's (on a 2-stage mlp under ZB-H1, six launches
+    gave paired medians of 1.067-1.077 and ratios of the two medians of 1.067-1.145,
+    docs/benchmarks.md)."""
+    hop = message_time(timeline, replica) if hop_s is None else hop_s
+    ratios = []
+    for step in measured_steps(timeline, replica):
+        own = step_replay(timeline, step, replica, hop_s=hop).bubble
+        if own > 0:
+            ratios.append(bubble_of(*step_profile(timeline, step, replica)) / own)
+    return ratios
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from paratrain.parallel.pipeline.replay import stepwise_theory
+from paratrain.parallel.pipeline.replay import stepwise_ratios, stepwise_theory
 from paratrain.parallel.pipeline.timeline import (
     WORK_KINDS,
     Timeline,
@@ -185,16 +185,18 @@ def summarize(run_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
-def _own_passes(timeline: Timeline, replica: int, measured: float) -> str:
+def _own_passes(timeline: Timeline, replica: int) -> str:
     """The bubble the schedule must have with this run's own pass times, each step
     replayed on them (``replay.stepwise_theory``): what the run idles beyond it is the
-    engine's gaps between passes, not the schedule or uneven stages."""
+    engine's gaps between passes, not the schedule or uneven stages; measured over it
+    step by step, each step against its own replay (``replay.stepwise_ratios``)."""
     try:
         own = stepwise_theory(timeline, replica)
+        ratios = stepwise_ratios(timeline, replica)
     except TimelineError as error:
         return f"n/a ({error})"
-    ratio = f"measured/that {measured / own:.2f}" if own > 0 else "no bubble"
-    return f"{own:.1%} (this schedule replayed on each step's own passes; {ratio})"
+    ratio = f"measured/that {statistics.median(ratios):.2f}" if ratios else "no bubble"
+    return f"{own:.1%} (this schedule replayed on each step's own passes; {ratio}, step by step)"
 
 
 def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[str]:
@@ -215,7 +217,7 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
         _field(indent, "steps recorded", f"{len(all_steps)} ({compact_ranges(all_steps)})"),
         _field(indent, "measured bubble", f"{measured:.1%}  ({over})"),
         _field(indent, "measured/theory", ratio),
-        _field(indent, "on its own passes", _own_passes(timeline, replica, measured)),
+        _field(indent, "on its own passes", _own_passes(timeline, replica)),
         _field(indent, "drawn step", f"{drawn} (its bubble is the median; timeline.png)"),
     ]
     peaks = {s: b for (r, s), b in timeline.activation_peaks.items() if r == replica}
