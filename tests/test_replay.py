@@ -136,9 +136,8 @@ def _synthetic_run(
     B + W) and HOP, one second apart, written as the engine writes its timeline; step 0
     runs everything 1 ms slower (warm-up), which the replay must leave out; with ``late``,
     stage 1's B of micro-batch 0 takes that much longer in every step of ``late_steps``;
-    with ``delayed``
-    (stage, chunk, kind, micro, seconds), that pass starts so much later than it could in
-    every step, lasting its own time (an engine's gap before it)."""
+    with ``delayed`` (stage, chunk, kind, micro, seconds), that pass starts so much later
+    than it could in every step, lasting its own time (an engine's gap before it)."""
     schedule = build_schedule(name, stages, micro, chunks)
     split = name.startswith("zb")
 
