@@ -370,6 +370,7 @@ def build_row(name: str, stages: int, schedule: str, runs: list[dict], threads: 
         "bubble_stepwise": over_runs("stepwise"),
         "stepwise_ratio_of_medians": bubble / over_runs("stepwise"),
         "stepwise_ratio": statistics.median(x for r in runs for x in r["stepwise_ratios"]),
+        "stepwise_steps": sum(len(r["stepwise_ratios"]) for r in runs),
         "hop_s": over_runs("hop_s"),
         "stage_imbalance": over_runs("imbalance"),
         "idle_s_per_step": {
