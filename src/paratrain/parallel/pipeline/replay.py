@@ -284,11 +284,7 @@ def stepwise_theory(timeline: Timeline, replica: int = 0, *, hop_s: float | None
     per message (the run's ``message_time`` where not given): the theory
     ``measured_bubble`` (a median over the same steps) is compared with to judge the
     engine rather than the machine's noise."""
-    hop = message_time(timeline, replica) if hop_s is None else hop_s
-    return statistics.median(
-        step_replay(timeline, step, replica, hop_s=hop).bubble
-        for step in measured_steps(timeline, replica)
-    )
+    return statistics.median(own for _, own in _own_replays(timeline, replica, hop_s))
 
 
 def stepwise_ratios(
@@ -301,13 +297,21 @@ def stepwise_ratios(
     replay, which may be another step's (on a 2-stage mlp under ZB-H1, six launches
     gave paired medians of 1.067-1.077 and ratios of the two medians of 1.067-1.145,
     docs/benchmarks.md)."""
+    return [
+        bubble_of(*step_profile(timeline, step, replica)) / own
+        for step, own in _own_replays(timeline, replica, hop_s)
+        if own > 0
+    ]
+
+
+def _own_replays(
+    timeline: Timeline, replica: int, hop_s: float | None
+) -> Iterator[tuple[int, float]]:
+    """Each measured step with its ``step_replay``'s bubble, ``hop_s`` per message (the
+    run's ``message_time`` where None)."""
     hop = message_time(timeline, replica) if hop_s is None else hop_s
-    ratios = []
     for step in measured_steps(timeline, replica):
-        own = step_replay(timeline, step, replica, hop_s=hop).bubble
-        if own > 0:
-            ratios.append(bubble_of(*step_profile(timeline, step, replica)) / own)
-    return ratios
+        yield step, step_replay(timeline, step, replica, hop_s=hop).bubble
 
 
 @dataclass(frozen=True)

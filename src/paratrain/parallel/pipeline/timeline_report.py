@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from paratrain.parallel.pipeline.replay import stepwise_ratios, stepwise_theory
+from paratrain.parallel.pipeline.replay import message_time, stepwise_ratios, stepwise_theory
 from paratrain.parallel.pipeline.timeline import (
     WORK_KINDS,
     Timeline,
@@ -191,8 +191,9 @@ def _own_passes(timeline: Timeline, replica: int) -> str:
     engine's gaps between passes, not the schedule or uneven stages; measured over it
     step by step, each step against its own replay (``replay.stepwise_ratios``)."""
     try:
-        own = stepwise_theory(timeline, replica)
-        ratios = stepwise_ratios(timeline, replica)
+        hop = message_time(timeline, replica)  # read off every event: once for both
+        own = stepwise_theory(timeline, replica, hop_s=hop)
+        ratios = stepwise_ratios(timeline, replica, hop_s=hop)
     except TimelineError as error:
         return f"n/a ({error})"
     ratio = f"measured/that {statistics.median(ratios):.2f}" if ratios else "no bubble"
