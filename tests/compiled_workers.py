@@ -109,3 +109,55 @@ def graphs_compiled(kind: str, how: str, strategy: str) -> list[int]:
         engine.train_step(x, y)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return graphs
+
+
+def pipeline_compiles(schedule: str, virtual_stages: int) -> dict:
+    """The tests' gpt compiled whole (a backend that looks at each graph and runs it as
+    dynamo made it), 10 Adam steps of ``schedule`` on 2 stages of 4 micro-batches: graphs
+    after each step, the files the graphs' operations are written in, how many of their
+    values are on the meta device (a shape-only stand-in's, compiled), dynamo's warnings,
+    and the final state."""
+    import warnings
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    files: set[str] = set()
+    meta_values = 0
+
+    def keep(graph: torch.fx.GraphModule, _inputs: list) -> object:
+        nonlocal meta_values
+        for node in graph.graph.nodes:
+            value = node.meta.get("example_value", node.meta.get("val"))
+            meta_values += isinstance(value, torch.Tensor) and value.device.type == "meta"
+            frames = [  # the innermost one: where the operation is written
+                line.strip().split('"')[1]
+                for line in (node.meta.get("stack_trace") or "").splitlines()
+                if line.strip().startswith('File "')
+            ]
+            files.update(frames[-1:])
+        return graph.forward
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = paratrain.setup(
+            torch.compile(tp_workers.build("gpt"), backend=keep),
+            optimizer=workers.parity_optimizer("adam"),
+            loss_fn=loss_for("gpt"),
+            strategy="pipeline",
+            stages=2,
+            micro_batches=4,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+        )
+        graphs = []
+        for x, y in tp_workers.batches("gpt"):
+            engine.train_step(x, y)
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    dynamo_warnings = sorted({str(w.message) for w in caught if "Dynamo" in str(w.message)})
+    return {
+        "graphs": graphs,
+        "files": sorted(files),
+        "meta_values": meta_values,
+        "warnings": dynamo_warnings,
+        "state": unwrapped(engine.state_dict()),
+    }

@@ -117,6 +117,29 @@ def train_checkpointed(runs: list[tuple]) -> list[tuple]:
     return results
 
 
+def train_compiled(runs: list[tuple]) -> list[tuple]:
+    """Each (strategy, kind, options) with the model compiled whole (``torch.compile``,
+    dynamo's graphs run as made, backend "eager"), SGD-momentum; the state under the
+    model's own names (without the wrapper's ``_orig_mod.``)."""
+    import paratrain
+    from paratrain.losses import causal_lm_cross_entropy
+
+    results = []
+    for strategy, kind, options in runs:
+        torch._dynamo.reset()
+        trained = paratrain.setup(
+            torch.compile(build(kind), backend="eager"),
+            optimizer=optimizer("sgd"),
+            loss_fn=causal_lm_cross_entropy,
+            strategy=strategy,
+            **options,
+        )
+        losses = [trained.train_step(x, y).loss for x, y in batches()]
+        state = {k.replace("_orig_mod.", ""): v for k, v in trained.state_dict().items()}
+        results.append((state, losses))
+    return results
+
+
 def train_all(runs: list[tuple]) -> list[tuple]:
     """Every (strategy, kind, optimizer, accumulation, options) in one launch."""
     return [train(s, kind, opt, acc, **options) for s, kind, opt, acc, options in runs]

@@ -44,6 +44,7 @@ from paratrain.parallel.pipeline.partition import PartitionError
 from paratrain.parallel.pipeline.split_points import StagePlan
 from paratrain.parallel.pipeline.ties import release_shared
 from paratrain.parallel.pipeline.weight_units import param_owners
+from paratrain.runtime.untraced import untraced
 
 
 class _StageEnd(Exception):  # noqa: N818 - control flow, not an error
@@ -203,7 +204,7 @@ class NamedStage:
         for name, module in self._foreign.items():
             release_shared(module, own)  # a tied Parameter stays whole on this stage
             module.to("meta")
-            module.forward = functools.partial(self._stub, name, module.forward)
+            module.forward = untraced(functools.partial(self._stub, name, module.forward))
         for name, (module, piece) in switched.items():
             forward = functools.partial(self._chunk_of, name, piece, module.forward, twins[name])
             module.forward = forward
@@ -218,11 +219,11 @@ class NamedStage:
         for piece in self.pieces:
             if piece > 0:
                 block = container[plan.starts[piece]]
-                enter = functools.partial(self._enter, piece)
+                enter = untraced(functools.partial(self._enter, piece))
                 block.register_forward_pre_hook(enter, with_kwargs=True)
             if piece < plan.stages - 1:
                 block = container[plan.starts[piece + 1]]
-                leave = functools.partial(self._leave, piece)
+                leave = untraced(functools.partial(self._leave, piece))
                 block.register_forward_pre_hook(leave, with_kwargs=True)
 
     # -- what the stage holds ---------------------------------------------------------
@@ -364,6 +365,7 @@ class NamedStage:
             )
         return self._shape_only(name, twin, args, kwargs)
 
+    @untraced
     def _shape_only(self, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Placeholders of the shapes ``forward`` returns on meta copies of its arguments.
         Remembered by module and by the arguments' shapes (``argument_signature``): a meta run
