@@ -117,18 +117,31 @@ def train_checkpointed(runs: list[tuple]) -> list[tuple]:
     return results
 
 
+def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer blocks of ``build``'s GPT-2 or Llama."""
+    inner = getattr(model, "transformer", None) or model.model
+    return inner.h if hasattr(inner, "h") else inner.layers
+
+
 def train_compiled(runs: list[tuple]) -> list[tuple]:
-    """Each (strategy, kind, options) with the model compiled whole (``torch.compile``,
-    dynamo's graphs run as made, backend "eager"), SGD-momentum; the state under the
-    model's own names (without the wrapper's ``_orig_mod.``)."""
+    """Each (strategy, kind, how, options) with the model compiled ``how``: "whole"
+    (``torch.compile(model)``) or "blocks" (each block's ``compile()`` in place), dynamo's
+    graphs run as made (backend "eager"), SGD-momentum; the state under the model's own
+    names (without the wrapper's ``_orig_mod.``)."""
     import paratrain
     from paratrain.losses import causal_lm_cross_entropy
 
     results = []
-    for strategy, kind, options in runs:
+    for strategy, kind, how, options in runs:
         torch._dynamo.reset()
+        model = build(kind)
+        if how == "whole":
+            model = torch.compile(model, backend="eager")
+        else:
+            for block in blocks_of(model):
+                block.compile(backend="eager")
         trained = paratrain.setup(
-            torch.compile(build(kind), backend="eager"),
+            model,
             optimizer=optimizer("sgd"),
             loss_fn=causal_lm_cross_entropy,
             strategy=strategy,
