@@ -26,6 +26,12 @@ Virtual stages (interleaved 1F1B): the model is cut into stages x v pieces and a
 holds v non-adjacent ones in one module tree; each chunk runs the model's forward from
 its piece's first block to the next piece's, and the modules of the worker's other
 pieces it meets before its first block run shape-only on meta twins, made once.
+
+The hooks and the shape-only runs are ``untraced``: in a model compiled whole, or blocks
+compiled in place (whose call wraps a stand-in's forward), dynamo traced them, ran their
+meta tensors among its fake ones (Hugging Face's GPT-2 and Llama failed at stage 1's
+first forward), warned of what it could not trace, and recompiled once per module a
+stand-in stood for. Untraced, they are graph breaks, and the stage compiles its own code.
 """
 
 from __future__ import annotations
