@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import paratrain
@@ -9,12 +11,13 @@ from paratrain.models import loss_for
 from tests import tp_workers, user_layers, workers
 
 
-def compiled(kind: str, how: str, backend: str) -> torch.nn.Module:
+def compiled(kind: str, how: str, backend: str | Callable) -> torch.nn.Module:
     """``tp_workers.build(kind)`` (the parity mlp, or the tensor suite's gpt) compiled the
     ways users do (``how``; "not": left uncompiled): whole (``torch.compile(model)``), each
     layer of a layer list wrapped
     (``torch.compile(layer)``, an ``OptimizedModule``), or each module that owns
-    parameters compiled in place (``module.compile()``, names unchanged)."""
+    parameters compiled in place (``module.compile()``, names unchanged); ``backend`` a
+    backend's name or a backend of the caller's own."""
     model = tp_workers.build(kind)
     if how == "not":
         return model
@@ -104,6 +107,12 @@ def graphs_compiled(kind: str, how: str, strategy: str) -> list[int]:
         loss_fn=loss_for(kind),
         strategy=strategy,
     )
+    return steps_counting_graphs(engine, kind)
+
+
+def steps_counting_graphs(engine: paratrain.Engine, kind: str) -> list[int]:
+    """``kind``'s parity batches through ``engine``: the graphs dynamo has compiled after
+    each step."""
     graphs = []
     for x, y in tp_workers.batches(kind):
         engine.train_step(x, y)
@@ -140,7 +149,7 @@ def pipeline_compiles(schedule: str, virtual_stages: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = paratrain.setup(
-            torch.compile(tp_workers.build("gpt"), backend=keep),
+            compiled("gpt", "whole", keep),
             optimizer=workers.parity_optimizer("adam"),
             loss_fn=loss_for("gpt"),
             strategy="pipeline",
@@ -149,10 +158,7 @@ def pipeline_compiles(schedule: str, virtual_stages: int) -> dict:
             schedule=schedule,
             virtual_stages=virtual_stages,
         )
-        graphs = []
-        for x, y in tp_workers.batches("gpt"):
-            engine.train_step(x, y)
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        graphs = steps_counting_graphs(engine, "gpt")
     dynamo_warnings = sorted({str(w.message) for w in caught if "Dynamo" in str(w.message)})
     return {
         "graphs": graphs,

@@ -93,26 +93,32 @@ def train(strategy: str, kind: str, opt: str, accumulation: int = 1, **options) 
     return trained.state_dict(), losses
 
 
+def train_sgd(model: torch.nn.Module, strategy: str, **options) -> tuple:
+    """``model`` as built by the caller under ``strategy`` with SGD-momentum and the
+    (sum, count) token loss, over ``batches()``: the engine and its losses."""
+    import paratrain
+    from paratrain.losses import causal_lm_cross_entropy
+
+    trained = paratrain.setup(
+        model,
+        optimizer=optimizer("sgd"),
+        loss_fn=causal_lm_cross_entropy,
+        strategy=strategy,
+        **options,
+    )
+    return trained, [trained.train_step(x, y).loss for x, y in batches()]
+
+
 def train_checkpointed(runs: list[tuple]) -> list[tuple]:
     """Each (strategy, kind, options) with Hugging Face's ``gradient_checkpointing_enable()``
     (its blocks recompute their activations in backward, through torch.utils.checkpoint),
     SGD-momentum, no accumulation."""
-    import paratrain
-    from paratrain.losses import causal_lm_cross_entropy
-
     results = []
     for strategy, kind, options in runs:
         model = build(kind)
         model.gradient_checkpointing_enable()
         model.train()  # Hugging Face recomputes only in training mode
-        trained = paratrain.setup(
-            model,
-            optimizer=optimizer("sgd"),
-            loss_fn=causal_lm_cross_entropy,
-            strategy=strategy,
-            **options,
-        )
-        losses = [trained.train_step(x, y).loss for x, y in batches()]
+        trained, losses = train_sgd(model, strategy, **options)
         results.append((trained.state_dict(), losses))
     return results
 
@@ -128,9 +134,6 @@ def train_compiled(runs: list[tuple]) -> list[tuple]:
     (``torch.compile(model)``) or "blocks" (each block's ``compile()`` in place), dynamo's
     graphs run as made (backend "eager"), SGD-momentum; the state under the model's own
     names (without the wrapper's ``_orig_mod.``)."""
-    import paratrain
-    from paratrain.losses import causal_lm_cross_entropy
-
     results = []
     for strategy, kind, how, options in runs:
         torch._dynamo.reset()
@@ -140,14 +143,7 @@ def train_compiled(runs: list[tuple]) -> list[tuple]:
         else:
             for block in blocks_of(model):
                 block.compile(backend="eager")
-        trained = paratrain.setup(
-            model,
-            optimizer=optimizer("sgd"),
-            loss_fn=causal_lm_cross_entropy,
-            strategy=strategy,
-            **options,
-        )
-        losses = [trained.train_step(x, y).loss for x, y in batches()]
+        trained, losses = train_sgd(model, strategy, **options)
         state = {k.replace("_orig_mod.", ""): v for k, v in trained.state_dict().items()}
         results.append((state, losses))
     return results
