@@ -389,6 +389,36 @@ def test_zb_h1_keeps_its_third_with_the_first_stage_running_its_backward_as_w(st
     assert idle(schedules._played(stages, micro, schedules._zb_h1_choice, unit)) == 2 * (stages - 1)
 
 
+@pytest.mark.parametrize("hop", [0.0, 0.25])
+@pytest.mark.parametrize("micro", [4, 8, 16])
+@pytest.mark.parametrize("layers", range(1, 7))
+def test_a_data_fed_first_stage_holds_zb_above_a_third_of_1f1b_on_equal_stages(layers, micro, hop):
+    """Why the bench's balanced splits cannot show ZB-H1 idling a third of 1F1B's: two
+    stages of ``layers`` layers each, F = B = W = 1 per layer, a message ``hop`` ticks,
+    and the first stage fed data, so its backward makes no input gradient for its first
+    layer (2k - 1 ticks, not the 2k the paper's equal stages have). The last stage does
+    the most work; under ZB-H1 and ZB-H2 it idles only its wait for the first forward to
+    reach it, k + hop, which no schedule that ends the step with an optimizer step can
+    remove; under 1F1B it idles that and the first stage's last backward, 3k - 1 + 2 hop.
+    The ratio (k + hop) / (3k - 1 + 2 hop) is above a third for every k (0.50 at one
+    layer, 0.35 at six) and only tends to it. Integer and quarter ticks: exact in floats."""
+    k = layers
+
+    def idle_of_last(schedule, split: bool) -> float:
+        first = {"F": k, "B": 0, "W": 2 * k - 1} if split else {"F": k, "B": 2 * k - 1}
+        last = {"F": k, "B": k, "W": k} if split else {"F": k, "B": 2 * k}
+        placed = replay(schedule, lambda s, c, kind: (first, last)[s][kind], hop_s=hop)
+        assert placed.busy[1] > placed.busy[0]  # the last stage is the busiest
+        return placed.makespan - placed.busy[1]
+
+    base = idle_of_last(one_f_one_b(2, micro), split=False)
+    assert base == 3 * k - 1 + 2 * hop
+    for build in (zb_h1, schedules.zb_h2):
+        idle = idle_of_last(build(2, micro), split=True)
+        assert idle == k + hop
+        assert idle / base > 1 / 3
+
+
 def test_a_split_backward_needs_room_for_both_parts_and_every_w():
     with pytest.raises(ScheduleError, match="1 <= weight_ticks < backward_ticks"):
         simulate(zb_h1(2, 2), backward_ticks=1)
