@@ -393,10 +393,11 @@ def test_zb_h1_keeps_its_third_with_the_first_stage_running_its_backward_as_w(st
 @pytest.mark.parametrize("micro", [4, 8, 16])
 @pytest.mark.parametrize("layers", range(1, 7))
 def test_a_data_fed_first_stage_holds_zb_above_a_third_of_1f1b_on_equal_stages(layers, micro, hop):
-    """Why the bench's balanced splits cannot show ZB-H1 idling a third of 1F1B's: two
-    stages of ``layers`` layers each, F = B = W = 1 per layer, a message ``hop`` ticks,
-    and the first stage fed data, so its backward makes no input gradient for its first
-    layer (2k - 1 ticks, not the 2k the paper's equal stages have). The last stage does
+    """Why the bench's balanced splits cannot show ZB-H1 idling a third of 1F1B's in a
+    step (steps that overlap could: docs/benchmarks.md): two stages of ``layers`` layers
+    each, F = B = W = 1 per layer, a message ``hop`` ticks, and the first stage fed data,
+    so its backward makes no input gradient for its first layer (2k - 1 ticks, not the
+    2k the paper's equal stages have). The last stage does
     the most work; under ZB-H1 and ZB-H2 it idles only its wait for the first forward to
     reach it, k + hop, which no schedule that ends the step with an optimizer step can
     remove; under 1F1B it idles that and the first stage's last backward, 3k - 1 + 2 hop.
