@@ -130,9 +130,32 @@ def test_cli_under_torchrun_prints_one_summary_and_refuses_another_device_count(
     assert "2 worker(s)" in completed.stdout
     refused = _run([*train, "--devices", "4"], tmp_path)
     assert refused.returncode != 0
-    assert "devices=4 was asked for inside a torchrun job of 2 processes" in refused.stderr
+    assert "devices=4 was asked for inside a torchrun job of 2 processes" in refused.stderr, (
+        refused.stderr[-3000:]
+    )
     # One sentence from paratrain, no traceback of ours (torchrun adds its own report after).
     assert "ConfigError" not in refused.stderr and "paratrain/cli/" not in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_refusal_under_torchrun_is_said_once_when_rank_0_is_the_last_to_refuse(tmp_path):
+    """Rank 0 a second and a half late (tests/late_rank_zero_train.py): rank 1 refuses
+    first and waits while rank 0 says the sentence and exits; torchrun then stops rank 1.
+    Before, rank 1 exited at once, torchrun stopped rank 0 before it printed, and stderr
+    held torchrun's failure report alone (the test above met that once in a full run)."""
+    refused = _run(
+        [
+            *TORCHRUN, "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "tests" / "late_rank_zero_train.py"), "train", "--model", "mlp",
+            "--dataset", "synthetic", "--steps", "3", "--global-batch", "8", "--no-progress",
+            "--run-dir", str(tmp_path / "run"), "--devices", "4",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    sentence = "devices=4 was asked for inside a torchrun job of 2 processes"
+    assert refused.stderr.count(sentence) == 1, refused.stderr[-3000:]
+    assert "paratrain: error: " in refused.stderr and "(rank 1)" not in refused.stderr
 
 
 @pytest.mark.slow

@@ -12,12 +12,12 @@ import sys
 from collections.abc import Sequence
 
 from paratrain.checkpoints.format import CheckpointError, CheckpointWriteError
+from paratrain.cli.job_errors import say_error_once
 from paratrain.cli.parser import build_parser
 from paratrain.cli.report import report_command
 from paratrain.cli.train import train_command
 from paratrain.config import ConfigError
 from paratrain.runtime.elastic import ElasticShortfall
-from paratrain.runtime.external_job import is_main_process
 from paratrain.runtime.launch import WorkerError
 from paratrain.runtime.ledger import DeviceOutOfMemory
 from paratrain.runtime.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -68,8 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             return commands[args.ckpt_command](args)
     except (ConfigError, CheckpointError) as error:
-        if is_main_process():  # under torchrun every rank refuses alike: said once
-            print(f"paratrain: error: {error}", file=sys.stderr)
+        say_error_once(error)  # under torchrun every rank refuses alike: said once
         return 2
     except WorkerError as error:
         if error.terminated:
