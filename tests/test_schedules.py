@@ -397,12 +397,12 @@ def test_a_data_fed_first_stage_holds_zb_above_a_third_of_1f1b_on_equal_stages(l
     step (steps that overlap could: docs/benchmarks.md): two stages of ``layers`` layers
     each, F = B = W = 1 per layer, a message ``hop`` ticks, and the first stage fed data,
     so its backward makes no input gradient for its first layer (2k - 1 ticks, not the
-    2k the paper's equal stages have). The last stage does
-    the most work; under ZB-H1 and ZB-H2 it idles only its wait for the first forward to
-    reach it, k + hop, which no schedule that ends the step with an optimizer step can
-    remove; under 1F1B it idles that and the first stage's last backward, 3k - 1 + 2 hop.
-    The ratio (k + hop) / (3k - 1 + 2 hop) is above a third for every k (0.50 at one
-    layer, 0.35 at six) and only tends to it. Integer and quarter ticks: exact in floats."""
+    2k the paper's equal stages have). The last stage does the most work; under ZB-H1 and
+    ZB-H2 it idles only its wait for the first forward to reach it, k + hop, which no
+    schedule that ends the step with an optimizer step can remove; under 1F1B it idles
+    that and the first stage's last backward, 3k - 1 + 2 hop. The ratio (k + hop) /
+    (3k - 1 + 2 hop) is above a third for every k (0.50 at one layer, 0.35 at six) and
+    only tends to it. Integer and quarter ticks: exact in floats."""
     k = layers
 
     def idle_of_last(schedule, split: bool) -> float:
