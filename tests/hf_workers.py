@@ -123,17 +123,13 @@ def train_checkpointed(runs: list[tuple]) -> list[tuple]:
     return results
 
 
-def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The transformer blocks of ``build``'s GPT-2 or Llama."""
-    inner = getattr(model, "transformer", None) or model.model
-    return inner.h if hasattr(inner, "h") else inner.layers
-
-
 def train_compiled(runs: list[tuple]) -> list[tuple]:
     """Each (strategy, kind, how, options) with the model compiled ``how``: "whole"
     (``torch.compile(model)``) or "blocks" (each block's ``compile()`` in place), dynamo's
     graphs run as made (backend "eager"), SGD-momentum; the state under the model's own
     names (without the wrapper's ``_orig_mod.``)."""
+    from paratrain.parallel.pipeline.split_points import blocks_container
+
     results = []
     for strategy, kind, how, options in runs:
         torch._dynamo.reset()
@@ -141,7 +137,7 @@ def train_compiled(runs: list[tuple]) -> list[tuple]:
         if how == "whole":
             model = torch.compile(model, backend="eager")
         else:
-            for block in blocks_of(model):
+            for block in model.get_submodule(blocks_container(model)):  # the pipeline's cut
                 block.compile(backend="eager")
         trained, losses = train_sgd(model, strategy, **options)
         state = {k.replace("_orig_mod.", ""): v for k, v in trained.state_dict().items()}

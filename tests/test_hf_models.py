@@ -147,7 +147,7 @@ def test_gradient_checkpointing_enable_trains_as_the_plain_loop_under_every_engi
 @pytest.mark.slow
 def test_hugging_face_models_compiled_train_as_the_plain_loop_on_the_pipeline():
     """GPT-2 (head tied across the stages) and Llama compiled whole or block by block
-    (``block.compile()``, what the README advises for the pipeline), 2 stages of 4
+    (``block.compile()``, each block the pipeline cuts at), 2 stages of 4
     micro-batches under ZB-H1 or 1F1B, SGD-momentum, against the uncompiled plain loop.
     Before, stage 1 failed at its first forward both ways and under every schedule:
     dynamo traced its shape-only stand-ins for stage 0's modules (within the compiled

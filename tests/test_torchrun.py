@@ -20,6 +20,11 @@ import torch
 from tests.readme_examples import ROOT, example_env, readme_example
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SHORT_MLP_RUN = [
+    "train", "--model", "mlp", "--dataset", "synthetic", "--steps", "3", "--global-batch", "8",
+    "--no-progress",
+]  # fmt: skip
+"""The CLI's arguments for a three-step mlp run, after torchrun's and the entry point."""
 
 
 def _run(command: list[str], cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -120,9 +125,8 @@ def test_readme_example_runs_as_two_torchrun_nodes_on_one_host(tmp_path):
 @pytest.mark.slow
 def test_cli_under_torchrun_prints_one_summary_and_refuses_another_device_count(tmp_path):
     train = [
-        *TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "paratrain", "train",
-        "--model", "mlp", "--dataset", "synthetic", "--steps", "3", "--global-batch", "8",
-        "--no-progress", "--run-dir", str(tmp_path / "run"),
+        *TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "paratrain",
+        *SHORT_MLP_RUN, "--run-dir", str(tmp_path / "run"),
     ]  # fmt: skip
     completed = _run(train, tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -146,8 +150,7 @@ def test_a_refusal_under_torchrun_is_said_once_when_rank_0_is_the_last_to_refuse
     refused = _run(
         [
             *TORCHRUN, "--standalone", "--nproc-per-node", "2",
-            str(ROOT / "tests" / "late_rank_zero_train.py"), "train", "--model", "mlp",
-            "--dataset", "synthetic", "--steps", "3", "--global-batch", "8", "--no-progress",
+            str(ROOT / "tests" / "late_rank_zero_train.py"), *SHORT_MLP_RUN,
             "--run-dir", str(tmp_path / "run"), "--devices", "4",
         ],
         tmp_path,
@@ -166,8 +169,7 @@ def test_cli_under_torchrun_ranks_with_different_clocks_share_one_run_folder(tmp
     completed = _run(
         [
             *TORCHRUN, "--standalone", "--nproc-per-node", "2",
-            str(ROOT / "tests" / "skewed_clock_train.py"), "train", "--model", "mlp",
-            "--dataset", "synthetic", "--steps", "3", "--global-batch", "8", "--no-progress",
+            str(ROOT / "tests" / "skewed_clock_train.py"), *SHORT_MLP_RUN,
         ],
         tmp_path,
     )  # fmt: skip
