@@ -52,7 +52,8 @@ def replayed_peak(actions: list, sizes: dict, *, split: bool) -> int:
 def stage_peaks(settings: list[tuple[str, dict]], model_options: dict, batch: int) -> list:
     """For each (bench name, pipeline options): this stage's ledger activation peak over
     2 steps of gpt, the peak its action list predicts from each pass's own saved bytes,
-    the micro-batches (or pairs) in flight by the list, and the bytes of one pass."""
+    the micro-batches (or pairs) in flight by the list, the bytes of one pass, and whether
+    the engine's steps end together (the lists of ZB-H1 differ without)."""
     import paratrain
     from paratrain.models import build_model, loss_for
     from tests.workers import parity_optimizer
@@ -76,13 +77,25 @@ def stage_peaks(settings: list[tuple[str, dict]], model_options: dict, batch: in
             engine.train_step(x, x)
         stage, layout = engine.mesh.stage, engine.degrees
         actions = build_schedule(
-            engine.schedule_name, layout.stages, engine.micro_batches, layout.virtual_stages
+            engine.schedule_name,
+            layout.stages,
+            engine.micro_batches,
+            layout.virtual_stages,
+            flush=engine.flush,
         )
         split = splits_backward(actions)
         theory = replayed_peak(actions[stage], sizes, split=split)
         count = max_in_flight(actions)[stage]
         out.append(
-            (name, stage, engine.activation_peak_bytes(), theory, count, max(sizes.values()))
+            (
+                name,
+                stage,
+                engine.activation_peak_bytes(),
+                theory,
+                count,
+                max(sizes.values()),
+                engine.flush,
+            )
         )
     return out
 

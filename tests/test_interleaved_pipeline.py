@@ -108,7 +108,7 @@ def test_four_stages_interleaved_and_zb_h1_match_single_device():
         ("plain", "deep", "sgd", {"stages": 4, "schedule": "zb-h1", "micro_batches": 8}),
     ]
     results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=4, args=(runs,))
-    for (_, kind, opt, _), (state, losses, kinds) in zip(runs, results[0], strict=True):
+    for (_, kind, opt, _), (state, losses, kinds, _) in zip(runs, results[0], strict=True):
         assert kinds == ["backward", "forward", "weight"]
         ref_state, ref_losses = workers.train_with("single", kind, opt, 1)
         assert relative_error(state, ref_state) <= TOLERANCE, kind

@@ -35,6 +35,7 @@ from paratrain.parallel.pipeline.schedule_clock import (
 )
 from paratrain.parallel.pipeline.schedules import Action, ScheduleError, build_schedule, stage_ticks
 from paratrain.parallel.pipeline.timeline import measured_bubble, read_timeline
+from tests.back_to_back_runs import back_to_back_run
 
 KINDS = {"F": "forward", "B": "backward", "W": "weight"}
 CASES = [
@@ -269,3 +270,23 @@ def test_engine_gaps_are_zero_where_the_run_is_its_replay_and_find_a_late_start(
     ] * 2
     assert [g.step for g in late] == [1, 2]
     assert all(g.seconds == pytest.approx(0.4e-3, abs=1e-12) for g in late)
+
+
+def test_steps_run_back_to_back_are_replayed_from_when_each_stage_began_them(tmp_path):
+    """Under ZB-H1's lists for steps back to back the last stage still runs a step's last
+    W passes when the next step's first activation reaches it (checked below). Replayed
+    from when each stage began each step (the timeline's ``ready`` records), every step is
+    its own replay and no pass has a gap; replayed as if every stage began with the step,
+    the same steps would seem to idle more than their lists must, the engine blamed for
+    the previous step's work."""
+    timeline, placed = back_to_back_run(tmp_path, TRUE, HOP, began=True)
+    assert not timeline.flush and timeline.ready[0, 1, 1] > 1.0
+    last_w = max(end for a, _, end in placed[1][:12] if a.micro < 4)
+    next_f = min(start for a, start, _ in placed[0] if a.micro == 4)
+    assert next_f < last_w  # the steps overlap: the next step began before this one ended
+    assert stepwise_ratios(timeline, hop_s=HOP) == pytest.approx([1.0, 1.0], abs=1e-9)
+    gaps = engine_gaps(timeline, hop_s=HOP)
+    assert gaps and max(abs(g.seconds) for g in gaps) < 1e-12
+    unknown, _ = back_to_back_run(tmp_path, TRUE, HOP, began=False)
+    assert unknown.flush is False and not unknown.ready
+    assert min(stepwise_ratios(unknown, hop_s=HOP)) > 1.05

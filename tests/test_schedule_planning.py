@@ -9,11 +9,18 @@ final divisions; ``abs=1e-12`` (as in ``test_timeline``) is a thousandfold margi
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 from torch import nn
 
-from paratrain.parallel.pipeline.cost import in_flight
+from paratrain.parallel.pipeline.cost import (
+    _ties_span_stages,
+    in_flight,
+    placed_round,
+    placed_steps,
+)
 from paratrain.parallel.pipeline.description import PipelineStrategy
 from paratrain.parallel.pipeline.schedule_clock import simulate
 from paratrain.parallel.pipeline.schedules import Action, build_schedule, chunk_occupancy
@@ -24,6 +31,7 @@ from paratrain.parallel.pipeline.timeline import (
 )
 from paratrain.parallel.pipeline.timeline_report import summarize
 from paratrain.planner.api import candidates
+from paratrain.planner.measure import _Cut, _tied_layers
 
 KINDS = {"F": "forward", "B": "backward", "W": "weight"}
 
@@ -44,6 +52,8 @@ def test_the_planner_reads_activations_in_flight_off_each_schedule():
     assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
     # F to W; the first stage's W follows its empty B sooner (``stage_ticks``)
     assert [in_flight("zb-h1", 4, s, 8) for s in range(4)] == [6, 6, 5, 4]
+    # steps back to back: the later stages keep W passes for the step's end
+    assert [in_flight("zb-h1", 4, s, 8, flush=False) for s in range(4)] == [6, 6, 5, 5]
     # interleaved: (micro-batch, chunk) pairs of half a stage each
     assert [in_flight("1f1b", 4, s, 8, 2) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
 
@@ -154,3 +164,44 @@ def test_the_report_times_w_apart(tmp_path):
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
     # the first stage, fed data: B empty, W its whole backward (``stage_ticks``)
     assert [row[3:6] for row in rows] == [["1.000", "0.000", "2.000"], ["1.000", "1.000", "1.000"]]
+
+
+def test_the_planner_prices_steps_back_to_back_where_nothing_ends_them_together():
+    """2 stages, 4 micro-batches of ZB-H1 on the unit clock (F = B = W = 1 tick, the
+    first stage's backward 2), each stage's optimizer step 0.5: flushed, a step is its
+    round's span (3m + p - 1 = 13) and the slowest optimizer step; back to back, the
+    last stage's last W passes run while the first stage starts the next step, and a
+    step takes 12 ticks and that stage's own optimizer step, 12.5, idling only it."""
+    flushed = build_schedule("zb-h1", 2, 4)
+    ahead = build_schedule("zb-h1", 2, 4, flush=False)
+    passes = [[(1.0, 0.0, 2.0)], [(1.0, 1.0, 1.0)]]
+    span, _ = placed_round(flushed, passes, 0.0)
+    assert span + 0.5 == 13.5
+    step, idle = placed_steps(ahead, passes, 0.0, rounds=1, optimizer_s=[0.5, 0.5])
+    assert (step, idle) == (12.5, 0.5 / 12.5)
+    step, _ = placed_steps(ahead, passes, 0.0, rounds=2, optimizer_s=[0.5, 0.5])
+    assert step == 24.5  # two rounds a step: one optimizer step between steps
+
+
+def test_a_tie_across_stages_makes_the_planner_price_the_flushed_lists():
+    """As the engine, which runs ZB-H1's flushed lists where a tied Parameter's gradient
+    is summed across stages at each step's end."""
+    tied = SimpleNamespace(tied_layers=((0, 3),))
+    assert _ties_span_stages(tied, [(0, 2), (2, 4)], 2)  # layers 0 and 3: stages 0 and 1
+    assert _ties_span_stages(tied, [(0, 1), (1, 3), (3, 4)], 3)  # stages 0 and 2
+    same = SimpleNamespace(tied_layers=((0, 1),))
+    assert not _ties_span_stages(same, [(0, 2), (2, 4)], 2)  # both on stage 0
+    # interleaved, 2 stages x 2 chunks: piece j on stage j % 2
+    pieces = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert _ties_span_stages(tied, pieces, 2)  # pieces 0 and 3: stages 0 and 1
+    assert not _ties_span_stages(SimpleNamespace(tied_layers=((0, 2),)), pieces, 2)
+
+
+def test_the_measured_costs_name_the_layers_a_tied_parameter_spans():
+    embed, head, middle = nn.Embedding(5, 4), nn.Linear(4, 5, bias=False), nn.Linear(4, 4)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, middle, nn.ReLU(), head)
+    cut = _Cut.of(model, True, False, torch.device("cpu"))
+    assert _tied_layers(model, cut) == ((0, 3),)
+    untied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert _tied_layers(untied, _Cut.of(untied, True, False, torch.device("cpu"))) == ()

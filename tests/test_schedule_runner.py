@@ -76,8 +76,11 @@ def test_the_runner_follows_the_stage_list_and_marks_only_the_final_backward(mak
     assert [(c[0], c[1]) for c in passes] == [(a.kind, a.micro) for a in schedule[0]]
     assert [c[2] for c in passes if c[0] == "B"] == [False, False, True]
     assert calls[0] == ("begin", 3, True) and calls[-1] == ("flush",)
+    # a record of when the stage began the round, then one event per pass
+    began, *events = events
+    assert began["kind"] == "ready" and began["start"] <= events[0]["end"]
     assert calls.count(("book",)) == len(schedule[0]) == len(events)
-    assert {e["step"] for e in events} == {7}
+    assert {e["step"] for e in [began, *events]} == {7}
     assert [e["kind"][0].upper() for e in events] == [a.kind for a in schedule[0]]
     # the final backward's own pass and booking come first, then what follows it
     assert calls[-4][0] == "B" and calls[-4][2] is True
@@ -106,7 +109,7 @@ def test_a_split_backward_marks_its_last_w_and_follows_it_outside_the_timed_pass
     assert sum(c[2] for c in passes if c[0] == "W") == 1
     after = calls.index(("after last",))
     assert calls[after - 1] == ("book",) and calls[after - 2][0] == "W"
-    assert len(events) == len(schedule[stage])
+    assert len(events) == 1 + len(schedule[stage])  # and when the stage began the round
     # the last B is followed (outside its timed pass) by what needs only the forwards
     # (the last stage's loss leaves there), once, and only in the step's final round
     after_input = calls.index(("after last B",))
@@ -136,7 +139,7 @@ def test_an_interleaved_schedule_runs_each_action_on_its_chunk_and_its_link():
     passes = [c for c in calls if c[0] in ("F", "B")]
     chunk_of = [c[-1] if len(c) == (3 if c[0] == "F" else 4) else 0 for c in passes]
     assert [(c[0], c[1]) for c in passes] == [(a.kind, a.micro) for a in schedule[1]]
-    assert chunk_of == [a.chunk for a in schedule[1]] == [e["chunk"] for e in events]
+    assert chunk_of == [a.chunk for a in schedule[1]] == [e["chunk"] for e in events[1:]]
     # only the last chunk's link expects the step's loss; every link starts and flushes
     assert calls[:2] == [("begin", 3, False), ("begin", 3, True, 1)]
     assert calls[-2:] == [("flush",), ("flush", 1)]

@@ -233,6 +233,26 @@ def test_read_timeline_keeps_events_and_peaks(tmp_path):
     )
     assert first.duration == 1.0
     assert timeline.activation_peaks == {(0, 0): 2048, (0, 1): 1024}
+    assert timeline.ready == {} and timeline.flush  # an older file: neither said
+
+
+READY = {"kind": "ready", "rank": 1, "stage": 1, "replica": 0, "step": 3, "start": 5.0}
+
+
+def test_read_timeline_keeps_when_each_stage_began_each_step(tmp_path):
+    """Each stage's ``ready`` record of a step's first round (a later round's is later):
+    when it was free of the previous step's work; the meta line's ``flush`` says whether
+    steps ended together."""
+    records = [
+        {**meta(2, 2), "flush": False},
+        *simulate(gpipe_order(2, 2)),
+        READY,
+        {**READY, "start": 7.0},
+        {**READY, "stage": 0, "rank": 0, "start": 4.5},
+    ]
+    timeline = timeline_of(tmp_path, records)
+    assert timeline.ready == {(0, 1, 3): 5.0, (0, 0, 3): 4.5}
+    assert not timeline.flush
 
 
 EVENT = {
@@ -262,6 +282,8 @@ EVENT = {
         (json.dumps({**EVENT, "micro": 4}), "names micro-batch 4"),
         (json.dumps({**EVENT, "replica": 1}), "names replica 1"),
         (json.dumps({**meta(2, 4), "stages": 3}), "has a second, different meta line"),
+        (json.dumps({**READY, "stage": 2}), "names stage 2, but the meta line says there are 2"),
+        (json.dumps({**READY, "start": None}), "has start = null; expected a finite number"),
     ],
 )
 def test_malformed_lines_are_refused_naming_file_and_line(tmp_path, line, message):

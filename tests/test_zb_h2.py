@@ -85,7 +85,7 @@ def _parity(runs, devices):
     results = paratrain.launch(
         zero_bubble_workers.zero_bubble_worker, devices=devices, args=(runs,)
     )
-    for (_, kind, opt, options), (state, losses, kinds) in zip(runs, results[0], strict=True):
+    for (_, kind, opt, options), (state, losses, kinds, _) in zip(runs, results[0], strict=True):
         assert kinds == ["backward", "forward", "weight"], (kind, options)
         ref_state, ref_losses = workers.train_with("single", kind, opt, 1)
         error = relative_error(state, ref_state)

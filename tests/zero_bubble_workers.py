@@ -16,7 +16,7 @@ def _run(what: str, kind: str, optimizer: str, options: dict):
     return None, workers.parity_engine("pipeline", kind, optimizer, **options)
 
 
-def zero_bubble_worker(runs: list[tuple]) -> list[tuple[dict, list[float], list[str]]]:
+def zero_bubble_worker(runs: list[tuple]) -> list[tuple[dict, list[float], list[str], bool]]:
     """Each (what, kind, optimizer, options): ``plain``, ``clip`` (clipped at
     ``clip_workers.MAX_NORM``; reports gradient norms) or ``tied`` (``tie_workers``'
     models); the final state, the losses (or norms), and the kinds of pass the run
@@ -30,6 +30,6 @@ def zero_bubble_worker(runs: list[tuple]) -> list[tuple[dict, list[float], list[
         values = [s.grad_norm if clip else s.loss for s in stats]
         hooked = [name for name, m in engine.module.named_modules() if m._forward_hooks]
         assert not hooked, f"forward hooks left on {hooked} after the steps"  # UnitHooks'
-        kinds = sorted({event["kind"] for event in engine.events})
-        out.append((engine.state_dict(), values, kinds))
+        kinds = sorted({event["kind"] for event in engine.events} - {"ready"})
+        out.append((engine.state_dict(), values, kinds, engine.flush))
     return out

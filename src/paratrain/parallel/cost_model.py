@@ -223,6 +223,10 @@ class ModelCosts:
     trainable parameters it holds itself, a tied one at its first holder, whether it has a
     forward of its own): what a strategy
     that cuts the model at modules of its own choosing (zero3's units) sizes them from."""
+    tied_layers: tuple[tuple[int, ...], ...] = ()
+    """Each Parameter that more than one of ``layers`` uses (an output head tied to the
+    embedding), as those layers' indexes: where one spans pipeline stages, the stages sum
+    its gradient at every step's end, so the steps end together (``pipeline/cost``)."""
 
     def param_bytes(self, layers: range | None = None) -> int:
         return sum(layer.param_bytes for layer in self._pick(layers))

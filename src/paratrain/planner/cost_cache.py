@@ -45,12 +45,13 @@ from paratrain.parallel.layer_profile import tensors_in
 from paratrain.planner import measure
 from paratrain.planner.machine import cache_root, cores, read_json, write_json
 
-FORMAT = 11
+FORMAT = 12
 """Raised whenever what a measurement holds changes (2: live peaks, transient bytes and the
 optimizer step's temporaries; 3: a layer's transient an ``Envelope`` of lines; 4: the
 module listing; 5: a pass's fixed seconds, ``pass_s``; 9: a layer's seconds a ``Curve``
 through four sizes, timed with gradients accumulated; 10: the pieces of a cut at named
-blocks, ``ModelCosts.pieces``; 11: the loss's own live peak, ``loss_transient``), so
+blocks, ``ModelCosts.pieces``; 11: the loss's own live peak, ``loss_transient``; 12:
+the layers a tied Parameter spans, ``tied_layers``), so
 that a file of an older shape is measured again rather than read with defaults."""
 
 
@@ -177,6 +178,7 @@ def costs_from_json(data: dict[str, Any], optimizer: OptimizerCost) -> ModelCost
     )
     rest = {k: Line(**v) if k in lines else v for k, v in data.items() if k != "layers"}
     rest["modules"] = tuple(tuple(module) for module in rest.get("modules", ()))
+    rest["tied_layers"] = tuple(tuple(tie) for tie in rest.get("tied_layers", ()))
     return ModelCosts(layers=layers, optimizer=optimizer, **rest)
 
 

@@ -581,9 +581,30 @@ def measure_model(
         targets_saved=batch_line("targets"),
         loss_saved=batch_line("loss"),
         loss_transient=line(lambda p: p["loss_peak"]),
-        modules=module_listing(subject),
+        **_structure(subject, cut),
         pass_s=pass_s,
     )
+
+
+def _structure(subject: nn.Module, cut: _Cut) -> dict[str, Any]:
+    """What the model is made of beside its layers' figures: ``ModelCosts.modules`` and
+    ``ModelCosts.tied_layers``."""
+    return {"modules": module_listing(subject), "tied_layers": _tied_layers(subject, cut)}
+
+
+def _tied_layers(subject: nn.Module, cut: _Cut) -> tuple[tuple[int, ...], ...]:
+    """``ModelCosts.tied_layers``: each Parameter's layers (of a cut at named blocks, its
+    pieces as the engine's plan owns them), where it has more than one."""
+    users: dict[int, set[int]] = {}
+    if cut.runs is not None:
+        owner = cut.runs.plan.owner
+        for name, param in subject.named_parameters(remove_duplicate=False):
+            users.setdefault(id(param), set()).add(owner[name])
+    else:
+        for index, layer in enumerate(cut.layers):
+            for param in layer.parameters():
+                users.setdefault(id(param), set()).add(index)
+    return tuple(sorted(tuple(sorted(held)) for held in users.values() if len(held) > 1))
 
 
 def module_listing(model: nn.Module) -> tuple[tuple[str, str, int, bool], ...]:

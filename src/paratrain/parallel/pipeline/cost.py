@@ -56,6 +56,7 @@ from paratrain.parallel.pipeline.options import (
 )
 from paratrain.parallel.pipeline.partition import partition, stage_bounds, validate_balance
 from paratrain.parallel.pipeline.replay import replay
+from paratrain.parallel.pipeline.schedule_clock import back_to_back, steady_step
 from paratrain.parallel.pipeline.schedules import (
     SPLIT_SCHEDULES,
     Action,
@@ -123,10 +124,20 @@ def _blocks_per_stage(unsplit: ModelCosts, stages: int, split_points: list[str] 
     )
 
 
-def in_flight(schedule: str, stages: int, stage: int, micro_batches: int, chunks: int = 1) -> float:
+def in_flight(
+    schedule: str,
+    stages: int,
+    stage: int,
+    micro_batches: int,
+    chunks: int = 1,
+    *,
+    flush: bool = True,
+) -> float:
     """Stage ``stage``'s most micro-batches holding activations, in whole stages' worth
-    (an interleaved (micro-batch, chunk) pair holds ``1/chunks`` of the stage's)."""
-    peak = max_in_flight(build_schedule(schedule, stages, micro_batches, chunks))[stage]
+    (an interleaved (micro-batch, chunk) pair holds ``1/chunks`` of the stage's); ``flush``
+    as ``build_schedule``'s."""
+    lists = build_schedule(schedule, stages, micro_batches, chunks, flush=flush)
+    peak = max_in_flight(lists)[stage]
     return peak / chunks if chunks > 1 else peak
 
 
@@ -302,6 +313,71 @@ def placed_round(
     return placed.makespan, (placed.makespan - max(placed.busy)) / placed.makespan
 
 
+def _ties_span_stages(unsplit: ModelCosts, bounds: list[tuple[int, int]], stages: int) -> bool:
+    """Whether a Parameter the measured layers share (``ModelCosts.tied_layers``) has
+    copies on two stages of this cut (``bounds``: each piece's layers; piece ``j`` on
+    stage ``j % stages``), as ``PipelineEngine``'s ``ties.spans_stages``."""
+    stage_of = {
+        layer: piece % stages
+        for piece, (start, end) in enumerate(bounds)
+        for layer in range(start, end)
+    }
+    return any(len({stage_of[layer] for layer in tie}) > 1 for tie in unsplit.tied_layers)
+
+
+def _refuse_a_whole_measure(unsplit: ModelCosts) -> None:
+    if not (unsplit.layer_list or unsplit.pieces):
+        raise ValueError(
+            "the model was measured whole; measure it per piece of its cut at named blocks "
+            "(``ModelMeasurements.costs(pieces=True)``) to price a pipeline."
+        )
+
+
+def step_seconds(
+    actions: Schedule,
+    passes: list[list[tuple[float, float, float]]],
+    hop_s: float,
+    flush: bool,
+    *,
+    rounds: int,
+    optimizer_s: list[float],
+) -> tuple[float, float]:
+    """A step's seconds and the busiest stage's idle share of it: with a ``flush``, its
+    rounds' spans (``placed_round``) and the slowest stage's optimizer step, for which
+    every stage waits; without, the period of steps placed back to back
+    (``placed_steps``)."""
+    if flush:
+        span, idle = placed_round(actions, passes, hop_s)
+        return rounds * span + max(optimizer_s), idle
+    return placed_steps(actions, passes, hop_s, rounds=rounds, optimizer_s=optimizer_s)
+
+
+def placed_steps(
+    actions: Schedule,
+    passes: list[list[tuple[float, float, float]]],
+    hop_s: float,
+    *,
+    rounds: int,
+    optimizer_s: list[float],
+) -> tuple[float, float]:
+    """A step's seconds where steps follow each other with no barrier (no ``flush``):
+    each step ``rounds`` rounds of the lists, each stage's optimizer step
+    (``optimizer_s``) after its last pass, the steps placed back to back
+    (``schedule_clock.steady_step``), passes and hops as in ``placed_round``; and the
+    busiest stage's idle share of it. A stage after the first may still run one step's
+    W passes while the first runs the next step's forwards, so the step is shorter than
+    its rounds' spans and the optimizer step end to end."""
+    step = back_to_back(actions, rounds)
+
+    def length(stage: int, action: Action) -> float:
+        return passes[stage][action.chunk]["FBW".index(action.kind)]
+
+    steady = steady_step(step, length, hop=hop_s, between=lambda stage: optimizer_s[stage])
+    if steady.period <= 0:
+        return 0.0, 0.0
+    return steady.period, steady.busiest_idle / steady.period
+
+
 def micro_batch_seconds(
     costs: ModelCosts,
     machine: MachineCosts,
@@ -341,11 +417,7 @@ def predict(
     layout: Layout,
 ) -> Prediction:
     replicas, stages = layout.replicas, layout.stages
-    if not (unsplit.layer_list or unsplit.pieces):
-        raise ValueError(
-            "the model was measured whole; measure it per piece of its cut at named blocks "
-            "(``ModelMeasurements.costs(pieces=True)``) to price a pipeline."
-        )
+    _refuse_a_whole_measure(unsplit)
     chunks = given(options, VIRTUAL_STAGES)
     micro = micro_batches_per_replica(stages, options.get(MICRO_BATCHES.name))
     schedule = given(options, SCHEDULE)
@@ -354,15 +426,18 @@ def predict(
     rounds = run.gradient_accumulation
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
-    actions = build_schedule(schedule, stages, micro, chunks)
+    # the engine's steps end together under fp16's vote or a tie across stages (and
+    # clipping, which the planner is not told of: the lists without hold no less)
+    flush = run.precision == "fp16" or _ties_span_stages(unsplit, bounds, stages)
+    actions = build_schedule(schedule, stages, micro, chunks, flush=flush)
     worst: dict[str, int] | None = None
     busy = widest = 0.0
-    largest_stage = 0
+    elements: list[int] = []
     passes: list[list[tuple[float, float, float]]] = []  # each stage's chunks' F, B, W
     for stage in range(stages):
         own = bounds[stage::stages]  # the (start, end) of each of its chunks
         layers = _worker_layers(bounds, stage, stages)
-        held = in_flight(schedule, stages, stage, micro, chunks)
+        held = in_flight(schedule, stages, stage, micro, chunks, flush=flush)
         one = _saved_per_micro_batch(costs, run, samples, layers, recompute, split)
         first, last = stage == 0, stage == stages - 1
         outs, grads_in = _boundary_bytes(costs, own, samples, first, last)
@@ -393,21 +468,21 @@ def predict(
         deferred = split and not split_here  # the first stage: its whole backward is W
         passes.append(chunk_passes(costs, samples, own, per_micro, split=split, deferred=deferred))
         busy += per_micro
-        largest_stage = max(largest_stage, costs.elements(layers))
-    workers = replicas * stages * costs.tensor
-    optimizer = costs.optimizer.step_s_per_element * largest_stage
+        elements.append(costs.elements(layers))
+    optimizers = [costs.optimizer.step_s_per_element * count for count in elements]
     # every stage's micro-batches on every rank, against the schedule's own lists placed
     # on these passes, each message between two workers a hop to a waiting one
-    work = replicas * costs.tensor * (rounds * micro * busy + stages * optimizer)
-    span, idle = placed_round(actions, passes, machine.send.at(widest))
-    compute = machine.compute_seconds(work, rounds * span + optimizer)
+    work = replicas * costs.tensor * (rounds * micro * busy + stages * max(optimizers))
+    hop = machine.send.at(widest)
+    step, idle = step_seconds(actions, passes, hop, flush, rounds=rounds, optimizer_s=optimizers)
+    compute = machine.compute_seconds(work, step)
     return Prediction.of(
         worst or {},
         compute_s=compute,
         communication_s=_collective_seconds(
             costs, machine, bounds, layout, rounds * micro, samples
         ),
-        workers=workers,
+        workers=replicas * stages * costs.tensor,
         machine=machine,
         notes=(f"bubble {idle:.0%}",),
     )

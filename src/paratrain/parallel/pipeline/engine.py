@@ -226,6 +226,9 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
         self.loss_fn = sharded or self.loss_fn
         self._params = [p for _, p in self.named_local_parameters()]
         self.ties.attach(dict(self._full_named_parameters()))
+        self.flush = self._step_ends_together()
+        if not self.flush:  # ZB-H1 then lets one step's last W passes meet the next step
+            self.actions = build_schedule(schedule, stages, self.micro_batches, chunks, flush=False)
         self.recompute = recompute
         self._start_replicas(bucket_mb)
         self.optimizer = self._stage_optimizer()
@@ -243,6 +246,18 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             self._params,
             model_state=self.model_state_bytes,
             communication=lambda: sum(link.held_bytes() for link in links),
+        )
+
+    def _step_ends_together(self) -> bool:
+        """Whether every stage waits for every other at a step's end (a flush): the
+        global norm of clipping, fp16's vote on a step to skip and the sum of a tie's
+        gradients across stages each need every stage's W passes done. Without one,
+        nothing but each stage's own order joins two steps, and a later stage may run its
+        last W passes while the first already runs the next step's forwards (the lists of
+        ``schedules.zb_h1`` with ``flush=False``); the same answer on every worker, since
+        every worker must run the same lists."""
+        return (
+            self.max_grad_norm is not None or self.precision.scales_loss or self.ties.spans_stages
         )
 
     def _stage_parts(self) -> StageParts:
@@ -434,6 +449,7 @@ class PipelineEngine(RecordsTimeline, SplitsLayers, Engine):
             "stages": self.degrees.stages,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule_name,
+            "flush": self.flush,
             "replicas": self.degrees.replicas,
             "tensor": self.degrees.tensor,
             "balance": self.balance,

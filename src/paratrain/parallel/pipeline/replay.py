@@ -161,7 +161,11 @@ class TimelineReplay:
 
 def _schedule_of(timeline: Timeline) -> Schedule:
     return build_schedule(
-        timeline.schedule, timeline.stages, timeline.micro_batches, timeline.virtual_stages
+        timeline.schedule,
+        timeline.stages,
+        timeline.micro_batches,
+        timeline.virtual_stages,
+        flush=timeline.flush,
     )
 
 
@@ -276,7 +280,19 @@ def step_replay(timeline: Timeline, step: int, replica: int = 0, *, hop_s: float
     def length(stage: int, action: Action) -> float:
         return took[stage, action.chunk, action.kind, action.micro]
 
-    return _as_replay(place_actions(schedule, length, hop=hop_s))
+    first = rows[0][0].start  # stage 0's first pass: fed data, it starts the step
+    release = [max(0.0, ready - first) for ready in _ready_times(timeline, step, replica)]
+    return _as_replay(place_actions(schedule, length, hop=hop_s, release=release))
+
+
+def _ready_times(timeline: Timeline, step: int, replica: int) -> list[float]:
+    """When each stage began ``step`` (``Timeline.ready``; minus infinity where the
+    timeline does not say, an older file): under steps run back to back a later stage
+    may still be running the previous step's last W passes when this step's first
+    activation reaches it, which a replay of the step alone would not know."""
+    return [
+        timeline.ready.get((replica, stage, step), -math.inf) for stage in range(timeline.stages)
+    ]
 
 
 def stepwise_theory(timeline: Timeline, replica: int = 0, *, hop_s: float | None = None) -> float:
@@ -336,8 +352,9 @@ def engine_gaps(
     """Every measured pass's ``PassGap``, with ``hop_s`` per message (the run's
     ``message_time`` where not given): what the engine adds at each pass beyond what
     ``step_replay`` places (receiving and posting, its bookkeeping, a message slower than
-    the hop). A stage's first pass of a step with no input from another device is left
-    out, as in ``message_time``: what came before it is not on the timeline. A pass can
+    the hop). A stage's first pass of a step counts its stage free from when it began the
+    step (``Timeline.ready``), and is left out where it has no input from another device:
+    the stage's own setup before it is not the schedule's. A pass can
     start a little before its input's pass ended (the sender stamps its end after its
     send returns), so a gap can be slightly negative."""
     schedule = _schedule_of(timeline)
@@ -345,6 +362,7 @@ def engine_gaps(
     gaps = []
     for step in measured_steps(timeline, replica):
         rows = _round_events(timeline, schedule, step, replica)
+        began = _ready_times(timeline, step, replica)
         where = f"Step {step} of replica {replica}"
         for stage, previous, event, inputs in _passes_with_inputs(
             rows, timeline.virtual_stages, where
@@ -352,7 +370,7 @@ def engine_gaps(
             arrivals = [sender.end + (hop if remote else 0.0) for sender, remote in inputs]
             if previous is None and not arrivals:
                 continue
-            free = previous.end if previous is not None else -math.inf
+            free = previous.end if previous is not None else began[stage]
             ready = max(arrivals, default=-math.inf)
             gaps.append(
                 PassGap(

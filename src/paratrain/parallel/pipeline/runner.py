@@ -34,6 +34,7 @@ from paratrain.parallel.pipeline.schedules import (
     ScheduleError,
     splits_backward,
 )
+from paratrain.parallel.pipeline.timeline import READY_KIND
 
 EVENT_KINDS = {"F": "forward", "B": "backward", "W": "weight"}
 """An action's kind as the timeline names it."""
@@ -99,6 +100,9 @@ class ScheduleRunner:
     def run_round(self, passes: StagePasses, *, micro_batches: int, step: int, final: bool) -> None:
         """Every action of this stage, in the schedule's order (``step``: the step this
         round belongs to, for the timeline; ``final``: the step's last round)."""
+        # when the stage was free for this round: a stage may still be busy with the last
+        # step's passes and optimizer step when this step's first input comes (``flush``)
+        self.events.append({"step": step, "kind": READY_KIND, "start": time.perf_counter()})
         for index, link in enumerate(self.links):
             link.begin_round(micro_batches, expect_loss=final and index == len(self.links) - 1)
         for position, action in enumerate(self.actions):

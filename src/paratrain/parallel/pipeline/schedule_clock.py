@@ -23,10 +23,10 @@ and trailing spaces are dropped, e.g. GPipe with 2 stages and 2 micro-batches::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from paratrain.parallel.pipeline.schedules import (
+from paratrain.parallel.pipeline.actions import (
     Action,
     Schedule,
     ScheduleError,
@@ -123,20 +123,29 @@ def dependencies(stage: int, action: Action, stages: int, virtual: int) -> list[
 
 
 def place_actions(
-    schedule: Schedule, length: Callable[[int, Action], float], *, hop: float
+    schedule: Schedule,
+    length: Callable[[int, Action], float],
+    *,
+    hop: float,
+    pause: Callable[[int, int], float] | None = None,
+    release: Sequence[float] | None = None,
 ) -> list[list[tuple[Action, float, float]]]:
     """Every action as ``(action, start, end)``, each as early as its stage and inputs
     allow: ``length(stage, action)`` long, and ``hop`` after an input made on another
-    device (virtual stage ``j`` sits on device ``j % stages``). Integer lengths and hop
-    give integer times (``simulate``'s clock); ``replay`` gives seconds. Raises
-    ``ScheduleDeadlock`` naming the stuck stages when no stage can make progress, and
-    ``ScheduleError`` on lists that do not run every pass exactly once."""
+    device (virtual stage ``j`` sits on device ``j % stages``). ``pause(stage, i)``: the
+    seconds the stage spends on its own after its ``i``-th action before it can start the
+    next (the optimizer step between two steps run back to back, ``steady_step``);
+    ``release[stage]``: when the stage is free to start (0 where not given; a step that
+    reached a stage still busy with the last one, ``replay.step_replay``).
+    Integer lengths and hop give integer times (``simulate``'s clock); ``replay`` gives
+    seconds. Raises ``ScheduleDeadlock`` naming the stuck stages when no stage can make
+    progress, and ``ScheduleError`` on lists that do not run every pass exactly once."""
     _check_schedule(schedule)
     stages = len(schedule)
     virtual = stages * _chunk_count(schedule)
     done: dict[Dependency, float] = {}  # (kind, virtual stage, micro) -> end
     placed: list[list[tuple[Action, float, float]]] = [[] for _ in range(stages)]
-    free: list[float] = [0] * stages
+    free: list[float] = list(release) if release is not None else [0] * stages
     progress = True
     while progress:
         progress = False
@@ -151,10 +160,67 @@ def place_actions(
                 end = start + length(stage, action)
                 placed[stage].append((action, start, end))
                 done[(action.kind, action.chunk * stages + stage, action.micro)] = end
-                free[stage] = end
+                free[stage] = end + (pause(stage, len(placed[stage]) - 1) if pause else 0)
                 progress = True
     _raise_if_stuck(schedule, placed, virtual // stages)
     return placed
+
+
+def back_to_back(schedule: Schedule, steps: int) -> Schedule:
+    """The lists of ``steps`` training steps run one after another: each stage runs its
+    list ``steps`` times, run ``k``'s micro-batches numbered from ``k * m``. Nothing but
+    each stage's own order joins two steps, as in the engine, where no collective ends a
+    step unless clipping, the fp16 vote or a tie across stages needs one (``flush``):
+    a stage may still be running one step's passes when the next step's first
+    activation reaches it."""
+    micro_batches = 1 + max(a.micro for actions in schedule for a in actions)
+    return [
+        [Action(a.kind, a.micro + k * micro_batches, a.chunk) for k in range(steps) for a in row]
+        for row in schedule
+    ]
+
+
+@dataclass(frozen=True)
+class SteadyStep:
+    """A step of a run of steps placed back to back, once the run has settled."""
+
+    period: float
+    """From one step's first pass on the first stage to the next step's."""
+    busiest_idle: float
+    """The period less the busy time of the stage that works most in a step: the bubble
+    a run of steps pays on the stage that bounds it."""
+
+
+def steady_step(
+    schedule: Schedule,
+    length: Callable[[int, Action], float],
+    *,
+    hop: float = 0.0,
+    between: Callable[[int], float] | None = None,
+    steps: int = 4,
+) -> SteadyStep:
+    """``steps`` steps of ``schedule`` placed back to back (``back_to_back``), each
+    stage spending ``between(stage)`` after its last pass of a step (its optimizer step;
+    none where not given): the last period, from the last step but one's first pass on
+    stage 0 to the last step's. Stage 0 is fed data, so each step starts there."""
+    if steps < 2:
+        raise ScheduleError(f"a period needs at least 2 steps, not {steps}.")
+    per_step = len(schedule[0])
+    lasts = [len(actions) - 1 for actions in schedule]
+
+    def pause(stage: int, position: int) -> float:
+        ends_step = position % len(schedule[stage]) == lasts[stage]
+        return between(stage) if between is not None and ends_step else 0.0
+
+    chained = back_to_back(schedule, steps)
+    placed = place_actions(chained, length, hop=hop, pause=pause)
+    starts = [placed[0][k * per_step][1] for k in (steps - 2, steps - 1)]
+    period = starts[1] - starts[0]
+    busy = max(
+        sum(end - start for _, start, end in row[: len(actions)])
+        for row, actions in zip(placed, schedule, strict=True)
+    )
+    return SteadyStep(period=period, busiest_idle=period - busy)
 
 
 def _raise_if_stuck(schedule: Schedule, placed: list[list], chunks: int) -> None:

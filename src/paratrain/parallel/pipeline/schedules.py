@@ -21,8 +21,16 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
+
+from paratrain.parallel.pipeline.actions import (
+    Action,
+    Schedule,
+    ScheduleError,
+    splits_backward,
+    stage_ticks,
+)
+from paratrain.parallel.pipeline.schedule_clock import steady_step
 
 __all__ = [
     "SCHEDULES",
@@ -43,35 +51,6 @@ __all__ = [
     "zb_h1",
     "zb_h2",
 ]
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot be built or is malformed, said in one sentence."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One pass of one micro-batch through one stage (or one chunk of it)."""
-
-    kind: str
-    """``"F"`` (forward), ``"B"`` (backward; of the input only where the schedule has
-    ``W`` actions) or ``"W"`` (the weights' part of a split backward)."""
-    micro: int
-    """Micro-batch index."""
-    chunk: int = 0
-    """Virtual stage held by this device (interleaved schedules only)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("F", "B", "W"):
-            raise ScheduleError(f"action kind must be 'F', 'B' or 'W', not {self.kind!r}.")
-
-    def label(self, *, chunks: int = 1) -> str:
-        """``F3``, or ``F3b`` (chunk 1) when the schedule has several chunks."""
-        suffix = string.ascii_lowercase[self.chunk] if chunks > 1 else ""
-        return f"{self.kind}{self.micro}{suffix}"
-
-
-Schedule = list[list[Action]]
 
 
 def _check_counts(stages: int, micro_batches: int) -> None:
@@ -155,7 +134,7 @@ def interleaved_1f1b(stages: int, micro_batches: int, chunks: int) -> Schedule:
     ]
 
 
-def zb_h1(stages: int, micro_batches: int) -> Schedule:
+def zb_h1(stages: int, micro_batches: int, *, flush: bool = True) -> Schedule:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with its backward
     split into B and W, the W passes deferred to fill 1F1B's bubble.
 
@@ -184,8 +163,41 @@ def zb_h1(stages: int, micro_batches: int) -> Schedule:
     replayed on its stage times idled that stage 0.33 of 1F1B's idle, now 0; on random
     stage times the lists never take longer (the same test).
     """
+    return [list(actions) for actions in _zb_h1_lists(stages, micro_batches, flush)]
+
+
+@cache
+def _zb_h1_lists(stages: int, micro_batches: int, flush: bool) -> tuple[tuple[Action, ...], ...]:
+    """``zb_h1``'s lists, kept: without a flush they are chosen by placing runs of steps."""
     hold = max_in_flight(_played(stages, micro_batches, _zb_h1_choice))[0]
-    return _played(stages, micro_batches, partial(_zb_h1_choice, first_stage_hold=hold))
+    flushed = _played(stages, micro_batches, partial(_zb_h1_choice, first_stage_hold=hold))
+    chosen = flushed if flush else _steps_back_to_back(stages, micro_batches, hold, flushed)
+    return tuple(tuple(actions) for actions in chosen)
+
+
+def _steps_back_to_back(stages: int, micro_batches: int, hold: int, flushed: Schedule) -> Schedule:
+    """ZB-H1's lists for steps that follow each other with no barrier: a stage after the
+    first keeps more W passes pending (``_zb_h1_choice``'s ``tail_hold``), so that it
+    still has W to run after its last B, while the first stage ends the step and starts
+    the next one. Each cap from 1F1B's (the flushed lists) up is played, and the one whose
+    steps, placed back to back on the unit clock (``schedule_clock.steady_step``), idle
+    the least per step is kept, the lowest cap among equals; none may make any stage hold
+    more micro-batches than the flushed lists' most (``max_in_flight``), so the flushed
+    lists are kept where no cap does better."""
+    ticks = [stage_ticks(s, 1, 2, 1, split=True) for s in range(stages)]
+
+    def idle(lists: Schedule) -> float:
+        return steady_step(lists, lambda s, action: ticks[s][action.kind]).busiest_idle
+
+    most = max(max_in_flight(flushed))
+    best, least = flushed, idle(flushed)
+    for tail in range(stages, 2 * stages + 2):
+        lists = _played(
+            stages, micro_batches, partial(_zb_h1_choice, first_stage_hold=hold, tail_hold=tail)
+        )
+        if max(max_in_flight(lists)) <= most and (spent := idle(lists)) < least:
+            best, least = lists, spent
+    return best
 
 
 def zb_h2(stages: int, micro_batches: int) -> Schedule:
@@ -272,12 +284,16 @@ def _zb_h1_choice(
     count: dict[str, int],
     ready,
     first_stage_hold: int | None = None,
+    tail_hold: int | None = None,
 ):
     """The kind stage ``s`` runs now under ZB-H1's rule (see ``zb_h1``); with
     ``first_stage_hold``, the first stage's next F waits only on that many holding
     activations (F done, W not) instead of on 1F1B's bound between F and B."""
     pending = count["B"] - count["W"]
-    if pending > stages - 1:
+    deferred = stages - 1
+    if s and tail_hold is not None:
+        deferred = max(deferred, tail_hold - (stages - s))
+    if pending > deferred:
         return "W"
     if _next_b_ready(s, stages, micro_batches, count, ready):
         return "B"
@@ -304,24 +320,6 @@ def _zb_h2_choice(s: int, stages: int, micro_batches: int, count: dict[str, int]
     return "W" if pending else None
 
 
-def stage_ticks(
-    stage: int, forward: float, backward: float, weight: float, *, split: bool
-) -> dict[str, float]:
-    """Ticks per kind on ``stage``: a split backward's B takes ``backward - weight`` and
-    its W ``weight``, but on the first stage (fed data, no input gradient to make) B takes
-    none and W the whole ``backward``, as the engine runs it."""
-    if not split:
-        return {"F": forward, "B": backward}
-    if stage == 0:
-        return {"F": forward, "B": 0, "W": backward}
-    return {"F": forward, "B": backward - weight, "W": weight}
-
-
-def splits_backward(schedule: Schedule) -> bool:
-    """Whether the schedule splits its backward into B (input) and W (weights)."""
-    return any(a.kind == "W" for actions in schedule for a in actions)
-
-
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -341,11 +339,18 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
     return SCHEDULES[name]
 
 
-def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedule:
+def build_schedule(
+    name: str, stages: int, micro_batches: int, chunks: int = 1, *, flush: bool = True
+) -> Schedule:
     """The action lists of schedule ``name`` with ``chunks`` virtual stages per device:
-    ``1f1b`` over several chunks is interleaved 1F1B; GPipe has no interleaved form here."""
+    ``1f1b`` over several chunks is interleaved 1F1B; GPipe has no interleaved form here.
+    ``flush``: whether every stage waits for every other at a step's end (clipping, the
+    fp16 vote, a tie across stages); without one ZB-H1 runs its lists for steps back to
+    back (``zb_h1``), every other schedule the same lists."""
     build = get_schedule(name)
     if chunks == 1:
+        if build is zb_h1:
+            return zb_h1(stages, micro_batches, flush=flush)
         return build(stages, micro_batches)
     if build is not one_f_one_b:
         raise ScheduleError(

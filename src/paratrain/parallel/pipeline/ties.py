@@ -101,6 +101,12 @@ class CrossStageTies:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
+    @property
+    def spans_stages(self) -> bool:
+        """Whether any Parameter of the model is tied across stages (the same on every
+        worker, where ``bool`` says whether this stage holds one)."""
+        return bool(self._names)
+
     def broadcast_values(self) -> None:
         """Make every copy equal to the first stage's (the lowest rank of each group)."""
         for (group, _), params in zip(self.groups, self.params, strict=True):

@@ -4,7 +4,8 @@ Every pipeline worker stamps the start and end of each forward and backward of e
 micro-batch with ``time.perf_counter()``; on Linux that clock is system-wide monotonic, so
 the stamps of all local workers line up without any clock synchronisation. The trainer
 writes them to ``RUN_DIR/timeline.jsonl``: a ``meta`` header, one object per forward or
-backward, and optionally each stage's ``activation_peak``. JSON lines, like the metrics
+backward, one per stage and round saying when the stage began it (``ready``), and
+optionally each stage's ``activation_peak``. JSON lines, like the metrics
 file, so a run that dies still leaves a readable record and any tool can read it.
 
 The point of all this is one number and one picture: how much of each step the stages spent
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 WORK_KINDS = ("forward", "backward", "weight")
+READY_KIND = "ready"
+"""A stage beginning a round of its schedule: free of the previous step's work."""
 
 # Field -> expected type, per record kind. ``float`` accepts integers too; ``int`` refuses
 # booleans (JSON ``true`` would otherwise pass as 1).
@@ -56,6 +59,7 @@ _FIELDS: dict[str, dict[str, type]] = {
         "end": float,
     },
     "activation_peak": {"rank": int, "stage": int, "replica": int, "bytes": int},
+    READY_KIND: {"rank": int, "stage": int, "replica": int, "step": int, "start": float},
 }
 _FIELDS["backward"] = _FIELDS["weight"] = _FIELDS["forward"]
 
@@ -86,12 +90,17 @@ class StageEvent:
 
 @dataclass
 class Timeline:
-    """A parsed ``timeline.jsonl``: the header, the work events in file order, and the
-    peak activation bytes keyed by ``(replica, stage)``."""
+    """A parsed ``timeline.jsonl``: the header, the work events in file order, the peak
+    activation bytes keyed by ``(replica, stage)``, and when each stage began each step
+    (``ready``)."""
 
     meta: dict[str, Any]
     events: list[StageEvent]
     activation_peaks: dict[tuple[int, int], int]
+    ready: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    """``(replica, stage, step)`` -> when the stage began the step's first round (after
+    its previous step's passes and optimizer step): steps run back to back can reach a
+    stage before it is free (``PipelineEngine.flush``). Empty in older files."""
 
     @property
     def stages(self) -> int:
@@ -104,6 +113,12 @@ class Timeline:
     @property
     def schedule(self) -> str:
         return str(self.meta["schedule"])
+
+    @property
+    def flush(self) -> bool:
+        """Whether the run's steps ended together (``PipelineEngine.flush``; the lists of
+        ZB-H1 differ without); True where the meta line does not say."""
+        return bool(self.meta.get("flush", True))
 
     @property
     def replicas(self) -> int:
@@ -176,6 +191,7 @@ def read_timeline(path: str | Path) -> Timeline:
     meta_line = 0
     work: list[tuple[int, StageEvent]] = []
     peaks: list[tuple[int, dict[str, Any]]] = []
+    readies: list[tuple[int, dict[str, Any]]] = []
     with path.open() as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -192,6 +208,8 @@ def read_timeline(path: str | Path) -> Timeline:
                 meta, meta_line = record, number
             elif kind == "activation_peak":
                 peaks.append((number, record))
+            elif kind == READY_KIND:
+                readies.append((number, record))
             else:
                 fields = {k: record[k] for k in _FIELDS[kind]}
                 chunk = _chunk_of(record, number, path)
@@ -231,7 +249,13 @@ def read_timeline(path: str | Path) -> Timeline:
             _fail(path, number, f"has a negative activation peak ({record['bytes']} bytes)")
         key = (record["replica"], record["stage"])
         activation_peaks[key] = max(activation_peaks.get(key, 0), record["bytes"])
-    return Timeline(meta=meta, events=[e for _, e in work], activation_peaks=activation_peaks)
+    ready: dict[tuple[int, int, int], float] = {}
+    for number, record in readies:
+        _check_place(path, number, meta, record["stage"], record["replica"], record["rank"])
+        key = (record["replica"], record["stage"], record["step"])
+        ready[key] = min(ready.get(key, math.inf), record["start"])  # the step's first round
+    events = [e for _, e in work]
+    return Timeline(meta=meta, events=events, activation_peaks=activation_peaks, ready=ready)
 
 
 def _parse_line(line: str, number: int, path: Path) -> dict[str, Any]:

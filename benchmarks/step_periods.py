@@ -1,0 +1,104 @@
+"""A pipeline run's steps taken back to back: each step's period and its busiest stage's
+idle in it, measured and replayed.
+
+The engine ends a step without a barrier unless clipping, the fp16 vote or a tie across
+stages needs one, so one step's last passes on a later stage can run while the first
+stage already runs the next step's (``PipelineEngine.flush``; ZB-H1's lists for that,
+``schedules.zb_h1``). What a run of steps pays is then the period, from a step's first
+pass on stage 0 (fed data, it starts each step) to the next step's; the busiest stage
+idles the period less its passes' time, between steps included (its optimizer step
+counts as idle: it is not the schedule's work, and every schedule pays it alike). A step
+measured alone, from its first pass to its last, overlaps its neighbours there.
+
+The theory replays the schedule's lists as steps back to back on the run's median pass
+times and message time (``replay.timeline_replay``), each stage pausing between steps for
+its median measured pause (from its last pass of a step to when it began the next,
+``Timeline.ready``): ``schedule_clock.steady_step``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from paratrain.parallel.pipeline.replay import TimelineReplay
+from paratrain.parallel.pipeline.schedule_clock import steady_step
+from paratrain.parallel.pipeline.schedules import Action, build_schedule
+from paratrain.parallel.pipeline.timeline import Timeline
+
+
+def steady_periods(timeline: Timeline, steps_per_round: int) -> list[tuple[int, int]]:
+    """Pairs of steps ``(k, k + 1)`` run right after each other and after step ``k - 1``:
+    the bench runs ``steps_per_round`` steps in a row, then torch's
+    (``alternation.median_step_times``), from the timeline's first step on. A round's
+    first step follows a barrier, not a step, so its period starts with the pipeline
+    empty (every stage waits for the first forward), which a run of steps pays once: it
+    is left out."""
+    steps = set(timeline.steps())
+    first = min(steps)
+    return [
+        (step, step + 1)
+        for step in sorted(steps)
+        if step + 1 in steps and 0 < (step - first) % steps_per_round < steps_per_round - 1
+    ]
+
+
+def _rows(timeline: Timeline, step: int) -> list[list]:
+    events = timeline.step_events(step)
+    return [
+        sorted((e for e in events if e.stage == s), key=lambda e: e.start)
+        for s in range(timeline.stages)
+    ]
+
+
+def period_idles(timeline: Timeline, steps_per_round: int) -> list[float]:
+    """Each steady period's idle on the busiest stage (the one with the most work in the
+    period's step): the period less the time that stage computed within it, whichever
+    step its passes belonged to (a later stage runs the last step's W passes in it)."""
+    idles = []
+    for step, after in steady_periods(timeline, steps_per_round):
+        rows = _rows(timeline, step)
+        start, end = rows[0][0].start, _rows(timeline, after)[0][0].start
+        busiest = max(range(len(rows)), key=lambda s: sum(e.duration for e in rows[s]))
+        busy = sum(
+            max(0.0, min(e.end, end) - max(e.start, start))
+            for e in timeline.events
+            if e.replica == 0 and e.stage == busiest and step - 1 <= e.step <= after
+        )
+        idles.append(end - start - busy)
+    return idles
+
+
+def stage_pauses(timeline: Timeline, steps_per_round: int) -> list[float]:
+    """Each stage's median seconds from its last pass of a step to when it began the next
+    (its optimizer step and the next step's setup); 0 where the timeline has no record of
+    when stages began steps."""
+    seen: list[list[float]] = [[] for _ in range(timeline.stages)]
+    for step, after in steady_periods(timeline, steps_per_round):
+        for stage, row in enumerate(_rows(timeline, step)):
+            began = timeline.ready.get((0, stage, after))
+            if began is not None:
+                seen[stage].append(began - row[-1].end)
+    return [max(statistics.median(pauses), 0.0) if pauses else 0.0 for pauses in seen]
+
+
+def replayed_period_idle(
+    timeline: Timeline, replayed: TimelineReplay, pauses: list[float]
+) -> float:
+    """The busiest stage's idle per period of the run's lists placed as steps back to
+    back on its median passes (``replayed``) with ``pauses`` between steps."""
+    lists = build_schedule(
+        timeline.schedule,
+        timeline.stages,
+        timeline.micro_batches,
+        timeline.virtual_stages,
+        flush=timeline.flush,
+    )
+    durations = replayed.durations
+
+    def length(stage: int, action: Action) -> float:
+        return durations[stage, action.chunk, action.kind]
+
+    steady = steady_step(
+        lists, length, hop=replayed.hop_s, between=lambda stage: pauses[stage], steps=6
+    )
+    return steady.busiest_idle
