@@ -504,7 +504,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
     else:
         lines.append(
             "  (the busiest stage's idle per period: from one step's start to the next's in a "
-            "run of steps, less that stage's passes, its optimizer step counted idle; "
+            "run of steps, less that stage's passes and its own work between steps (its "
+            "optimizer step, the next step's setup): its waiting for other stages; "
             "replayed back to back: the same of the lists placed as steps in a row on this "
             "run's stage times and pauses; in a step alone: from its first pass to its "
             "last, replayed: the same of the lists placed on this run's stage times; no "

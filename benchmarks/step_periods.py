@@ -6,9 +6,10 @@ stages needs one, so one step's last passes on a later stage can run while the f
 stage already runs the next step's (``PipelineEngine.flush``; ZB-H1's lists for that,
 ``schedules.zb_h1``). What a run of steps pays is then the period, from a step's first
 pass on stage 0 (fed data, it starts each step) to the next step's; the busiest stage
-idles the period less its passes' time, between steps included (its optimizer step
-counts as idle: it is not the schedule's work, and every schedule pays it alike). A step
-measured alone, from its first pass to its last, overlaps its neighbours there.
+waits for other stages the period less its passes' time and its own time between steps
+(its optimizer step and the next step's setup: its own work, which every schedule pays
+alike). A step measured alone, from its first pass to its last, overlaps its neighbours
+there.
 
 The theory replays the schedule's lists as steps back to back on the run's median pass
 times and message time (``replay.timeline_replay``), each stage pausing between steps for
@@ -51,20 +52,28 @@ def _rows(timeline: Timeline, step: int) -> list[list]:
 
 
 def period_idles(timeline: Timeline, steps_per_round: int) -> list[float]:
-    """Each steady period's idle on the busiest stage (the one with the most work in the
-    period's step): the period less the time that stage computed within it, whichever
-    step its passes belonged to (a later stage runs the last step's W passes in it)."""
+    """Each steady period's waiting on the busiest stage (the one with the most work in
+    the period's step): the period less the time that stage computed within it,
+    whichever step its passes belonged to (a later stage runs the last step's W passes
+    in it), and less its own time between two steps within it (from its last pass of a
+    step to when it began the next: its optimizer step and the next step's setup, work
+    of its own that every schedule pays alike, not a wait for another stage)."""
     idles = []
     for step, after in steady_periods(timeline, steps_per_round):
         rows = _rows(timeline, step)
         start, end = rows[0][0].start, _rows(timeline, after)[0][0].start
         busiest = max(range(len(rows)), key=lambda s: sum(e.duration for e in rows[s]))
-        busy = sum(
-            max(0.0, min(e.end, end) - max(e.start, start))
+        spans = [
+            (e.start, e.end)
             for e in timeline.events
             if e.replica == 0 and e.stage == busiest and step - 1 <= e.step <= after
-        )
-        idles.append(end - start - busy)
+        ]
+        for before, following in ((step - 1, step), (step, after)):
+            began = timeline.ready.get((0, busiest, following))
+            if began is not None and before in timeline.steps():
+                spans.append((_rows(timeline, before)[busiest][-1].end, began))
+        taken = sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+        idles.append(end - start - taken)
     return idles
 
 
@@ -84,8 +93,9 @@ def stage_pauses(timeline: Timeline, steps_per_round: int) -> list[float]:
 def replayed_period_idle(
     timeline: Timeline, replayed: TimelineReplay, pauses: list[float]
 ) -> float:
-    """The busiest stage's idle per period of the run's lists placed as steps back to
-    back on its median passes (``replayed``) with ``pauses`` between steps."""
+    """The busiest stage's waiting per period (``period_idles``) of the run's lists
+    placed as steps back to back on its median passes (``replayed``) with ``pauses``
+    between steps (``steady_step``'s ``waiting``)."""
     lists = build_schedule(
         timeline.schedule,
         timeline.stages,
@@ -101,4 +111,4 @@ def replayed_period_idle(
     steady = steady_step(
         lists, length, hop=replayed.hop_s, between=lambda stage: pauses[stage], steps=6
     )
-    return steady.busiest_idle
+    return steady.waiting

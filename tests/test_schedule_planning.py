@@ -171,14 +171,15 @@ def test_the_planner_prices_steps_back_to_back_where_nothing_ends_them_together(
     first stage's backward 2), each stage's optimizer step 0.5: flushed, a step is its
     round's span (3m + p - 1 = 13) and the slowest optimizer step; back to back, the
     last stage's last W passes run while the first stage starts the next step, and a
-    step takes 12 ticks and that stage's own optimizer step, 12.5, idling only it."""
+    step takes 12 ticks and that stage's own optimizer step, 12.5, idling only for it:
+    the bubble the plan's note gives, a wait for another stage, is none."""
     flushed = build_schedule("zb-h1", 2, 4)
     ahead = build_schedule("zb-h1", 2, 4, flush=False)
     passes = [[(1.0, 0.0, 2.0)], [(1.0, 1.0, 1.0)]]
     span, _ = placed_round(flushed, passes, 0.0)
     assert span + 0.5 == 13.5
     step, idle = placed_steps(ahead, passes, 0.0, rounds=1, optimizer_s=[0.5, 0.5])
-    assert (step, idle) == (12.5, 0.5 / 12.5)
+    assert (step, idle) == (12.5, 0.0)  # the last stage waits for nothing
     step, _ = placed_steps(ahead, passes, 0.0, rounds=2, optimizer_s=[0.5, 0.5])
     assert step == 24.5  # two rounds a step: one optimizer step between steps
 

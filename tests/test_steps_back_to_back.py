@@ -43,12 +43,14 @@ def test_a_steady_step_pays_each_stage_s_pause_and_a_released_stage_waits():
     """1F1B, 2 stages, 2 micro-batches, F = 1 and B = 2: a step alone spans (m + p - 1)
     (F + B) = 9 ticks, each stage busy 6 of them; back to back, the next step starts when
     the first stage is free again (its last B ends the step), so the period is that span
-    plus the first stage's pause between steps, and every tick of it not busy is idle."""
+    plus the first stage's pause between steps; every tick of it not busy is idle, and
+    every idle tick but the pause a wait for the other stage."""
     length = lambda stage, action: {"F": 1, "B": 2}[action.kind]  # noqa: E731
     alone = steady_step(one_f_one_b(2, 2), length)
-    assert (alone.period, alone.busiest_idle) == (9, 3)
+    assert (alone.period, alone.busiest_idle, alone.waiting) == (9, 3, 3)
     paused = steady_step(one_f_one_b(2, 2), length, between=lambda stage: 0.5)
-    assert (paused.period, paused.busiest_idle) == (9.5, 3.5)
+    # its own pause is no wait for another stage
+    assert (paused.period, paused.busiest_idle, paused.waiting) == (9.5, 3.5, 3)
     with pytest.raises(ScheduleError, match="at least 2 steps"):
         steady_step(one_f_one_b(2, 2), length, steps=1)
     placed = place_actions(one_f_one_b(2, 2), length, hop=0, release=[0, 3])
@@ -99,29 +101,27 @@ def test_a_data_fed_first_stage_keeps_zb_h1_back_to_back_under_a_third_of_1f1b(
     data (its backward 2k - 1), a message ``hop``, each stage's optimizer step ``pause``
     between steps. Steps back to back, the last stage (the busiest) idles a period:
     under 1F1B 3k - 1 + 2 hop + pause; under flushed ZB-H1 k - 1 + 2 hop + pause; under
-    ZB-H1's lists for steps back to back only its own optimizer step, ``pause``. So the
-    third holds exactly where the optimizer step is at most half of 1F1B's idle without
-    it, (3k - 1 + 2 hop) / 2: not at one layer with a pause of 2 ticks, everywhere else
-    here."""
+    ZB-H1's lists for steps back to back only its own optimizer step, ``pause``. Less its
+    own optimizer step (``waiting``), ZB-H1 back to back waits for nothing, the third
+    with room, at any pause."""
     k = layers
     first, last = {"F": k, "B": 0, "W": 2 * k - 1}, {"F": k, "B": k, "W": k}
     plain_first, plain_last = {"F": k, "B": 2 * k - 1}, {"F": k, "B": 2 * k}
 
-    def idle(lists, stages_ticks) -> float:
-        steady = steady_step(
+    def steady(lists, stages_ticks):
+        return steady_step(
             lists,
             lambda s, action: stages_ticks[s][action.kind],
             hop=hop,
             between=lambda s: pause,
         )
-        return steady.busiest_idle
 
-    base = idle(one_f_one_b(2, micro), (plain_first, plain_last))
-    assert base == 3 * k - 1 + 2 * hop + pause
-    assert idle(zb_h1(2, micro), (first, last)) == k - 1 + 2 * hop + pause
-    ahead = idle(zb_h1(2, micro, flush=False), (first, last))
-    assert ahead == pause
-    assert (ahead <= base / 3) == (pause <= (3 * k - 1 + 2 * hop) / 2)
+    base = steady(one_f_one_b(2, micro), (plain_first, plain_last))
+    assert (base.busiest_idle, base.waiting) == (3 * k - 1 + 2 * hop + pause, 3 * k - 1 + 2 * hop)
+    flushed = steady(zb_h1(2, micro), (first, last))
+    assert (flushed.busiest_idle, flushed.waiting) == (k - 1 + 2 * hop + pause, k - 1 + 2 * hop)
+    ahead = steady(zb_h1(2, micro, flush=False), (first, last))
+    assert (ahead.busiest_idle, ahead.waiting) == (pause, 0)
 
 
 def test_only_zb_h1_has_lists_for_steps_back_to_back():

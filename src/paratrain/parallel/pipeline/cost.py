@@ -366,7 +366,9 @@ def placed_steps(
     (``schedule_clock.steady_step``), passes and hops as in ``placed_round``; and the
     busiest stage's idle share of it. A stage after the first may still run one step's
     W passes while the first runs the next step's forwards, so the step is shorter than
-    its rounds' spans and the optimizer step end to end."""
+    its rounds' spans and the optimizer step end to end. The idle share counts the
+    busiest stage's waiting for other stages, not its own optimizer step, as
+    ``placed_round``'s counts a round's."""
     step = back_to_back(actions, rounds)
 
     def length(stage: int, action: Action) -> float:
@@ -375,7 +377,7 @@ def placed_steps(
     steady = steady_step(step, length, hop=hop_s, between=lambda stage: optimizer_s[stage])
     if steady.period <= 0:
         return 0.0, 0.0
-    return steady.period, steady.busiest_idle / steady.period
+    return steady.period, steady.waiting / steady.period
 
 
 def micro_batch_seconds(

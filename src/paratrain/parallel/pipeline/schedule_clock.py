@@ -187,8 +187,11 @@ class SteadyStep:
     period: float
     """From one step's first pass on the first stage to the next step's."""
     busiest_idle: float
-    """The period less the busy time of the stage that works most in a step: the bubble
-    a run of steps pays on the stage that bounds it."""
+    """The period less the busy time of the stage that works most in a step."""
+    waiting: float
+    """``busiest_idle`` less that stage's own time between steps (``between``: its
+    optimizer step): the time it waits for other stages, the bubble a run of steps pays
+    on the stage that bounds it."""
 
 
 def steady_step(
@@ -216,11 +219,14 @@ def steady_step(
     placed = place_actions(chained, length, hop=hop, pause=pause)
     starts = [placed[0][k * per_step][1] for k in (steps - 2, steps - 1)]
     period = starts[1] - starts[0]
-    busy = max(
+    busy = [
         sum(end - start for _, start, end in row[: len(actions)])
         for row, actions in zip(placed, schedule, strict=True)
-    )
-    return SteadyStep(period=period, busiest_idle=period - busy)
+    ]
+    busiest = busy.index(max(busy))
+    own = between(busiest) if between is not None else 0.0
+    idle = period - busy[busiest]
+    return SteadyStep(period=period, busiest_idle=idle, waiting=idle - own)
 
 
 def _raise_if_stuck(schedule: Schedule, placed: list[list], chunks: int) -> None:
