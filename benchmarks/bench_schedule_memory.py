@@ -4,7 +4,8 @@ ledger, side by side with the schedule's theory read off its own action list.
 Theory, per stage: each pass's saved bytes held from its F to its backward (to its W where
 the backward is split into B and W), replayed in the list's order; the in-flight count
 beside it is ``schedules.max_in_flight`` (GPipe m, 1F1B min(p - s, m), interleaved
-(micro-batch, chunk) pairs, ZB-H1 min(2p - 1 - s, m), ZB-H2 min(2p - 1, m)). Measured: the
+(micro-batch, chunk) pairs, ZB-H1 min(2p - 1 - s, m) where its steps end together, else
+up to the most any stage holds so, ZB-H2 min(2p - 1, m)). Measured: the
 ledger's activation peak over two steps (``engine.activation_peak_bytes``). gpt, global
 batch 32, m = 8; 2 stages on 2 workers, 4 stages on 4; ZB-H2 also under recompute. The
 ledger counts what autograd saves; the output gradients B keeps for W are not saved
@@ -39,12 +40,16 @@ def rows(stages: int) -> list[str]:
     results = paratrain.launch(stage_peaks, devices=stages, args=(settings, MODEL, BATCH))
     by_label: dict[str, list[tuple]] = {label: [] for label in labels}
     for worker in results:
-        for label, (_, stage, measured, theory, count, one) in zip(labels, worker, strict=True):
-            by_label[label].append((stage, measured, theory, count, one))
+        for label, (_, stage, measured, theory, count, one, flush) in zip(
+            labels, worker, strict=True
+        ):
+            by_label[label].append((stage, measured, theory, count, one, flush))
     out = []
     for label, stage_rows in by_label.items():
-        textbook = TEXTBOOK[label.split()[0]]
-        for stage, measured, theory, count, one in sorted(stage_rows):
+        name = label.split()[0]
+        for stage, measured, theory, count, one, flush in sorted(stage_rows):
+            # ZB-H1's lists for steps that do not end together (no clipping here)
+            textbook = TEXTBOOK[name if flush or name != "zb-h1" else "zb-h1 back to back"]
             out.append(
                 f"| {stages} x {MICRO} | {label} | {stage} | {textbook} | {count} | "
                 f"{one / 1024:.1f} | {theory / 1024:.1f} | {measured / 1024:.1f} | "

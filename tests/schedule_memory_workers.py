@@ -24,6 +24,7 @@ TEXTBOOK = {
     "1f1b": "min(p-s, m)",
     "interleaved": "min(2(p-s-1) + (v-1)p + 1, vm) pairs",
     "zb-h1": "min(2p-1-s, m), F to W; the first stage fewer from p=4",
+    "zb-h1 back to back": "steps back to back: up to the flushed lists' most (2p-1 at p=2)",
     "zb-h2": "min(2p-1, m), F to W",
 }
 """Each schedule's activations in flight on stage s, as the docs state them."""

@@ -79,6 +79,22 @@ def test_zb_h1_with_two_replicas_matches_single_device():
         _close(state, losses, *workers.train_with("single", kind, opt, 1), f"2 x 2 {kind}")
 
 
+@pytest.mark.slow
+def test_zb_h1_s_flushed_lists_at_four_stages_match_single_device_under_clipping():
+    """Clipping ends every step together, so the engine runs ZB-H1's flushed lists
+    (``PipelineEngine.flush``); at 4 stages, 8 and 4 micro-batches, SGD-momentum and Adam,
+    they train as one device does, as the lists for steps back to back do in the tests
+    above (the suite's tolerance)."""
+    runs = [
+        ("clip", "deep", "sgd", {"stages": 4, "schedule": "zb-h1", "micro_batches": 8}),
+        ("clip", "gpt", "adam", {"stages": 4, "schedule": "zb-h1", "micro_batches": 4}),
+    ]
+    results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=4, args=(runs,))
+    for (_, kind, opt, _), (state, norms, kinds, flush) in zip(runs, results[0], strict=True):
+        assert flush and kinds == ["backward", "forward", "weight"], (kind, flush, kinds)
+        _close(state, norms, *clip_workers.train("single", kind, opt), f"4 stages {kind}")
+
+
 def _drawn(masks) -> Counter:
     """How many times each mask was drawn."""
     return Counter(mask.numpy().tobytes() for mask in masks)
