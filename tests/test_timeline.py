@@ -297,6 +297,13 @@ def test_malformed_lines_are_refused_naming_file_and_line(tmp_path, line, messag
     assert text.endswith(".") and "\n" not in text
 
 
+def test_a_meta_line_whose_flush_is_no_boolean_is_refused(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text(json.dumps({**meta(2, 4), "flush": "false"}) + "\n")
+    with pytest.raises(TimelineError, match='Line 1 of .* has flush = "false"; expected true'):
+        read_timeline(path)
+
+
 def test_a_file_without_meta_is_refused(tmp_path):
     path = write(tmp_path / "timeline.jsonl", [EVENT])
     with pytest.raises(TimelineError, match="has no meta line"):

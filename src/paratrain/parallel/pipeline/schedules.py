@@ -162,6 +162,12 @@ def zb_h1(stages: int, micro_batches: int, *, flush: bool = True) -> Schedule:
     it no longer idles before its first B: the bench's mlp-first-loaded, whose list
     replayed on its stage times idled that stage 0.33 of 1F1B's idle, now 0; on random
     stage times the lists never take longer (the same test).
+
+    ``flush=False`` gives the lists for steps that no barrier ends (no clipping, fp16
+    vote or tie across stages: ``PipelineEngine.flush``), run back to back: a later stage
+    keeps W passes for its step's end, run while the first stage starts the next step
+    (``_steps_back_to_back``; ``tests/test_steps_back_to_back.py``). Each call returns
+    fresh lists (the lists are worked out once per size and kept).
     """
     return [list(actions) for actions in _zb_h1_lists(stages, micro_batches, flush)]
 
@@ -288,7 +294,10 @@ def _zb_h1_choice(
 ):
     """The kind stage ``s`` runs now under ZB-H1's rule (see ``zb_h1``); with
     ``first_stage_hold``, the first stage's next F waits only on that many holding
-    activations (F done, W not) instead of on 1F1B's bound between F and B."""
+    activations (F done, W not) instead of on 1F1B's bound between F and B; with
+    ``tail_hold``, a stage after the first runs a W before anything else only once more
+    than ``tail_hold - (stages - s)`` are pending (at least 1F1B's ``stages - 1``), so it
+    keeps that many for its step's end (``_steps_back_to_back``)."""
     pending = count["B"] - count["W"]
     deferred = stages - 1
     if s and tail_hold is not None:

@@ -222,6 +222,9 @@ def read_timeline(path: str | Path) -> Timeline:
     for name in ("stages", "micro_batches", "replicas"):
         if meta[name] < 1:
             _fail(path, meta_line, f"says {name} = {meta[name]}; it must be at least 1")
+    if not isinstance(meta.get("flush", True), bool):
+        flush = json.dumps(meta["flush"])
+        _fail(path, meta_line, f"has flush = {flush}; expected true or false")
     for number, event in work:
         _check_place(path, number, meta, event.stage, event.replica, event.rank)
         if event.step < 0:
