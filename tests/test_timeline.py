@@ -379,6 +379,7 @@ def test_drawing_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
 def pipeline_run(tmp_path) -> Path:
     # 2 stages x 4 micro-batches, 1 ms forward, 1 ms backward: busy 8 ms of a 10 ms span.
     records = [{**meta(2, 4, schedule="1f1b"), "balance": [3, 2], "recompute": False}]
+    records[0]["flush"] = False
     for step in range(3):
         records += simulate(
             one_f_one_b_order(2, 4), forward=0.001, backward=0.001, step=step, t0=step * 1.0
@@ -407,6 +408,7 @@ def test_summarize_reports_the_numbers(tmp_path):
     )
     assert "steps recorded      3 (0-2)" in text
     assert "balance             [3, 2]\n  recompute           False" in text
+    assert "steps end together  no: run back to back (no clipping, fp16 or tie" in text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
     assert rows == [
         ["0", "8.000", "20%", "1.000", "1.000", "12.5", "MiB"],

@@ -174,7 +174,7 @@ def summarize(run_dir: str | Path) -> str:
         _field("  ", "stages", p),
         _field("  ", "micro-batches", m),
         _field("  ", "replicas", timeline.replicas),
-        *(_field("  ", k, v) for k, v in timeline.meta.items() if k not in _SUMMARY_SKIPS),
+        *(_meta_field(k, v) for k, v in timeline.meta.items() if k not in _SUMMARY_SKIPS),
         _field("  ", "theoretical bubble", f"{theory:.1%}  = {formula}"),
     ]
     for replica in range(timeline.replicas):
@@ -251,6 +251,14 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
             row += f"   {peak:>15}"
         lines.append(row)
     return lines
+
+
+def _meta_field(key: str, value: object) -> str:
+    """A meta line's field as the summary says it; ``flush`` in words."""
+    if key == "flush":
+        said = "yes" if value else "no: run back to back (no clipping, fp16 or tie across stages)"
+        return _field("  ", "steps end together", said)
+    return _field("  ", key, value)
 
 
 def _field(indent: str, label: str, value: object) -> str:
