@@ -332,7 +332,6 @@ def measure(
         "busiest_idle_s": busiest_stage_idle(timeline),
         "period_idle_s": statistics.median(period_idles(timeline, steps)),
         "replayed_period_idle_s": replayed_period_idle(timeline, replayed, pauses),
-        "pauses_s": pauses,
         "flush": results[0]["flush"],
         "start_floor_s": start_floor(replayed),
         "torch_bubble": peer.bubble,
