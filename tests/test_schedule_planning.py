@@ -15,7 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+from paratrain.parallel.cost_model import Run
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.pipeline.cost import (
+    _steps_end_together,
     _ties_span_stages,
     in_flight,
     placed_round,
@@ -206,3 +209,16 @@ def test_the_measured_costs_name_the_layers_a_tied_parameter_spans():
     assert _tied_layers(model, cut) == ((0, 3),)
     untied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     assert _tied_layers(untied, _Cut.of(untied, True, False, torch.device("cpu"))) == ()
+
+
+def test_the_planner_prices_the_flushed_lists_where_the_engine_runs_them():
+    """As ``PipelineEngine._step_ends_together``: fp16's vote, a tensor split or a tie
+    across stages; else the lists for steps back to back."""
+    untied, tied = SimpleNamespace(tied_layers=()), SimpleNamespace(tied_layers=((0, 3),))
+    halves = [(0, 2), (2, 4)]
+    fp32, fp16 = Run(devices=2, global_batch=8), Run(devices=2, global_batch=8, precision="fp16")
+    plain, split = Layout.over(2, stages=2), Layout.over(4, stages=2, tensor=2)
+    assert not _steps_end_together(fp32, plain, untied, halves)
+    assert _steps_end_together(fp16, plain, untied, halves)
+    assert _steps_end_together(fp32, split, untied, halves)
+    assert _steps_end_together(fp32, plain, tied, halves)

@@ -95,6 +95,20 @@ def test_zb_h1_s_flushed_lists_at_four_stages_match_single_device_under_clipping
         _close(state, norms, *clip_workers.train("single", kind, opt), f"4 stages {kind}")
 
 
+@pytest.mark.slow
+def test_zb_h1_runs_its_flushed_lists_on_stages_split_over_a_tensor_group():
+    """A stage split over a tensor group keeps ZB-H1's flushed lists
+    (``PipelineEngine._step_ends_together``: the planner under-counts such a stage's
+    saved bytes, so it holds no more than they do) and trains as one device does."""
+    runs = [("plain", "gpt", "adam", {"stages": 2, "tensor": 2, "schedule": "zb-h1"})]
+    results = paratrain.launch(zero_bubble_workers.zero_bubble_worker, devices=4, args=(runs,))
+    for rank_results in results:
+        (state, losses, kinds, flush) = rank_results[0]
+        assert flush and kinds == ["backward", "forward", "weight"], (flush, kinds)
+    state, losses, _, _ = results[0][0]
+    _close(state, losses, *workers.train_with("single", "gpt", "adam", 1), "2 x tensor 2")
+
+
 def _drawn(masks) -> Counter:
     """How many times each mask was drawn."""
     return Counter(mask.numpy().tobytes() for mask in masks)

@@ -313,6 +313,20 @@ def placed_round(
     return placed.makespan, (placed.makespan - max(placed.busy)) / placed.makespan
 
 
+def _steps_end_together(
+    run: Run, layout: Layout, unsplit: ModelCosts, bounds: list[tuple[int, int]]
+) -> bool:
+    """Whether the engine will run the lists of steps that end together
+    (``PipelineEngine._step_ends_together``): under fp16's vote, a tensor split or a tie
+    across stages; and under clipping, which the planner is not told of (it prices the
+    lists without, which hold no fewer micro-batches on any stage)."""
+    return (
+        run.precision == "fp16"
+        or layout.tensor > 1
+        or _ties_span_stages(unsplit, bounds, layout.stages)
+    )
+
+
 def _ties_span_stages(unsplit: ModelCosts, bounds: list[tuple[int, int]], stages: int) -> bool:
     """Whether a Parameter the measured layers share (``ModelCosts.tied_layers``) has
     copies on two stages of this cut (``bounds``: each piece's layers; piece ``j`` on
@@ -428,9 +442,7 @@ def predict(
     rounds = run.gradient_accumulation
     samples = run.global_batch / (replicas * rounds * micro)
     bounds = stage_bounds(balance(unsplit, stages * chunks, options, samples))
-    # the engine's steps end together under fp16's vote or a tie across stages (and
-    # clipping, which the planner is not told of: the lists without hold no less)
-    flush = run.precision == "fp16" or _ties_span_stages(unsplit, bounds, stages)
+    flush = _steps_end_together(run, layout, unsplit, bounds)
     actions = build_schedule(schedule, stages, micro, chunks, flush=flush)
     worst: dict[str, int] | None = None
     busy = widest = 0.0
