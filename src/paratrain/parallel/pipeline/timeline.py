@@ -116,8 +116,9 @@ class Timeline:
 
     @property
     def flush(self) -> bool:
-        """Whether the run's steps ended together (``PipelineEngine.flush``; the lists of
-        ZB-H1 differ without); True where the meta line does not say."""
+        """Whether the run's stages ran the lists of steps that end together
+        (``PipelineEngine.flush``: clipping, fp16, a tie across stages or a tensor split;
+        ZB-H1's lists differ without); True where the meta line does not say."""
         return bool(self.meta.get("flush", True))
 
     @property

@@ -256,7 +256,7 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
 def _meta_field(key: str, value: object) -> str:
     """A meta line's field as the summary says it; ``flush`` in words."""
     if key == "flush":
-        said = "yes" if value else "no: run back to back (no clipping, fp16 or tie across stages)"
+        said = "no: run back to back" if not value else "yes, or kept so (tensor split)"
         return _field("  ", "steps end together", said)
     return _field("  ", key, value)
 
