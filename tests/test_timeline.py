@@ -408,7 +408,7 @@ def test_summarize_reports_the_numbers(tmp_path):
     )
     assert "steps recorded      3 (0-2)" in text
     assert "balance             [3, 2]\n  recompute           False" in text
-    assert "steps end together  no: run back to back\n" in text
+    assert "step lists          steps back to back\n" in text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
     assert rows == [
         ["0", "8.000", "20%", "1.000", "1.000", "12.5", "MiB"],

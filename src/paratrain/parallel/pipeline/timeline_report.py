@@ -256,8 +256,8 @@ def _replica_summary(timeline: Timeline, replica: int, theory: float) -> list[st
 def _meta_field(key: str, value: object) -> str:
     """A meta line's field as the summary says it; ``flush`` in words."""
     if key == "flush":
-        said = "no: run back to back" if not value else "yes, or kept so (tensor split)"
-        return _field("  ", "steps end together", said)
+        flushed = "flushed (clipping, fp16, a tie across stages or a tensor split)"
+        return _field("  ", "step lists", flushed if value else "steps back to back")
     return _field("  ", key, value)
 
 
