@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import statistics
 
-from paratrain.parallel.pipeline.replay import TimelineReplay
+from paratrain.parallel.pipeline.replay import TimelineReplay, round_events, schedule_of
 from paratrain.parallel.pipeline.schedule_clock import steady_step
-from paratrain.parallel.pipeline.schedules import Action, build_schedule
-from paratrain.parallel.pipeline.timeline import Timeline
+from paratrain.parallel.pipeline.schedules import Action
+from paratrain.parallel.pipeline.timeline import StageEvent, Timeline
 
 
 def steady_periods(timeline: Timeline, steps_per_round: int) -> list[tuple[int, int]]:
@@ -43,12 +43,10 @@ def steady_periods(timeline: Timeline, steps_per_round: int) -> list[tuple[int, 
     ]
 
 
-def _rows(timeline: Timeline, step: int) -> list[list]:
-    events = timeline.step_events(step)
-    return [
-        sorted((e for e in events if e.stage == s), key=lambda e: e.start)
-        for s in range(timeline.stages)
-    ]
+def _rows_by_step(timeline: Timeline) -> dict[int, list[list[StageEvent]]]:
+    """Each step's passes per stage in start order (``replay.round_events``), read once."""
+    lists = schedule_of(timeline)
+    return {step: round_events(timeline, lists, step, 0) for step in timeline.steps()}
 
 
 def period_idles(timeline: Timeline, steps_per_round: int) -> list[float]:
@@ -59,9 +57,10 @@ def period_idles(timeline: Timeline, steps_per_round: int) -> list[float]:
     step to when it began the next: its optimizer step and the next step's setup, work
     of its own that every schedule pays alike, not a wait for another stage)."""
     idles = []
+    rows_of = _rows_by_step(timeline)
     for step, after in steady_periods(timeline, steps_per_round):
-        rows = _rows(timeline, step)
-        start, end = rows[0][0].start, _rows(timeline, after)[0][0].start
+        rows = rows_of[step]
+        start, end = rows[0][0].start, rows_of[after][0][0].start
         busiest = max(range(len(rows)), key=lambda s: sum(e.duration for e in rows[s]))
         spans = [
             (e.start, e.end)
@@ -70,8 +69,8 @@ def period_idles(timeline: Timeline, steps_per_round: int) -> list[float]:
         ]
         for before, following in ((step - 1, step), (step, after)):
             began = timeline.ready.get((0, busiest, following))
-            if began is not None and before in timeline.steps():
-                spans.append((_rows(timeline, before)[busiest][-1].end, began))
+            if began is not None and before in rows_of:
+                spans.append((rows_of[before][busiest][-1].end, began))
         taken = sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
         idles.append(end - start - taken)
     return idles
@@ -82,8 +81,9 @@ def stage_pauses(timeline: Timeline, steps_per_round: int) -> list[float]:
     (its optimizer step and the next step's setup); 0 where the timeline has no record of
     when stages began steps."""
     seen: list[list[float]] = [[] for _ in range(timeline.stages)]
+    rows_of = _rows_by_step(timeline)
     for step, after in steady_periods(timeline, steps_per_round):
-        for stage, row in enumerate(_rows(timeline, step)):
+        for stage, row in enumerate(rows_of[step]):
             began = timeline.ready.get((0, stage, after))
             if began is not None:
                 seen[stage].append(began - row[-1].end)
@@ -96,13 +96,7 @@ def replayed_period_idle(
     """The busiest stage's waiting per period (``period_idles``) of the run's lists
     placed as steps back to back on its median passes (``replayed``) with ``pauses``
     between steps (``steady_step``'s ``waiting``)."""
-    lists = build_schedule(
-        timeline.schedule,
-        timeline.stages,
-        timeline.micro_batches,
-        timeline.virtual_stages,
-        flush=timeline.flush,
-    )
+    lists = schedule_of(timeline)
     durations = replayed.durations
 
     def length(stage: int, action: Action) -> float:

@@ -159,7 +159,8 @@ class TimelineReplay:
         return self.replay.bubble
 
 
-def _schedule_of(timeline: Timeline) -> Schedule:
+def schedule_of(timeline: Timeline) -> Schedule:
+    """The action lists the run's stages ran (its meta line: schedule, sizes, ``flush``)."""
     return build_schedule(
         timeline.schedule,
         timeline.stages,
@@ -169,7 +170,7 @@ def _schedule_of(timeline: Timeline) -> Schedule:
     )
 
 
-def _round_events(
+def round_events(
     timeline: Timeline, schedule: Schedule, step: int, replica: int
 ) -> list[list[StageEvent]]:
     """One step's events per stage in start order; refused unless the step ran the
@@ -193,10 +194,10 @@ def _round_events(
 def stage_durations(timeline: Timeline, replica: int = 0) -> dict[Key, float]:
     """Median seconds of each ``(stage, chunk, kind)`` over the measured steps (all but
     the first, ``measured_steps``), kinds as the schedule names them (F, B, W)."""
-    schedule = _schedule_of(timeline)
+    schedule = schedule_of(timeline)
     seen: dict[Key, list[float]] = {}
     for step in measured_steps(timeline, replica):
-        for row in _round_events(timeline, schedule, step, replica):
+        for row in round_events(timeline, schedule, step, replica):
             for e in row:
                 seen.setdefault((e.stage, e.chunk, LETTER[e.kind]), []).append(e.duration)
     return {key: statistics.median(values) for key, values in sorted(seen.items())}
@@ -215,10 +216,10 @@ def message_time(timeline: Timeline, replica: int = 0) -> float:
     come out a little below zero; the median is kept at zero then, a message taking no
     less than no time.
     """
-    schedule = _schedule_of(timeline)
+    schedule = schedule_of(timeline)
     delays = []
     for step in measured_steps(timeline, replica):
-        rows = _round_events(timeline, schedule, step, replica)
+        rows = round_events(timeline, schedule, step, replica)
         delays += _waits(rows, timeline.virtual_stages, f"Step {step} of replica {replica}")
     return max(statistics.median(delays), 0.0) if delays else 0.0
 
@@ -263,7 +264,7 @@ def timeline_replay(timeline: Timeline, replica: int = 0) -> TimelineReplay:
     """The run's schedule replayed on ``stage_durations`` and ``message_time``."""
     durations = stage_durations(timeline, replica)
     hop = message_time(timeline, replica)
-    return TimelineReplay(durations, hop, replay(_schedule_of(timeline), durations, hop_s=hop))
+    return TimelineReplay(durations, hop, replay(schedule_of(timeline), durations, hop_s=hop))
 
 
 def step_replay(timeline: Timeline, step: int, replica: int = 0, *, hop_s: float = 0.0) -> Replay:
@@ -273,8 +274,8 @@ def step_replay(timeline: Timeline, step: int, replica: int = 0, *, hop_s: float
     shared CPU, by milliseconds), and a late pass makes its neighbours wait more than a
     replay on median times shows; this replay keeps that wait as the schedule's own, so
     what the run idles beyond it is the engine's (the gaps it leaves between passes)."""
-    schedule = _schedule_of(timeline)
-    rows = _round_events(timeline, schedule, step, replica)
+    schedule = schedule_of(timeline)
+    rows = round_events(timeline, schedule, step, replica)
     took = {(e.stage, e.chunk, LETTER[e.kind], e.micro): e.duration for row in rows for e in row}
 
     def length(stage: int, action: Action) -> float:
@@ -357,11 +358,11 @@ def engine_gaps(
     the stage's own setup before it is not the schedule's. A pass can
     start a little before its input's pass ended (the sender stamps its end after its
     send returns), so a gap can be slightly negative."""
-    schedule = _schedule_of(timeline)
+    schedule = schedule_of(timeline)
     hop = message_time(timeline, replica) if hop_s is None else hop_s
     gaps = []
     for step in measured_steps(timeline, replica):
-        rows = _round_events(timeline, schedule, step, replica)
+        rows = round_events(timeline, schedule, step, replica)
         began = _ready_times(timeline, step, replica)
         where = f"Step {step} of replica {replica}"
         for stage, previous, event, inputs in _passes_with_inputs(

@@ -209,10 +209,9 @@ def steady_step(
     if steps < 2:
         raise ScheduleError(f"a period needs at least 2 steps, not {steps}.")
     per_step = len(schedule[0])
-    lasts = [len(actions) - 1 for actions in schedule]
 
     def pause(stage: int, position: int) -> float:
-        ends_step = position % len(schedule[stage]) == lasts[stage]
+        ends_step = (position + 1) % len(schedule[stage]) == 0
         return between(stage) if between is not None and ends_step else 0.0
 
     chained = back_to_back(schedule, steps)
